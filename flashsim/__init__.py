@@ -1,0 +1,28 @@
+"""flashsim: IO-aware attention, counted.
+
+A two-level memory (HBM and an SRAM of the size you choose) that runs standard
+attention, FlashAttention-1 and FlashAttention-2 tile by tile, counts every HBM byte
+per tensor, and computes the real result so the math is checked too.
+
+    >>> import numpy as np, flashsim as fs
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 300, 64)).astype(np.float16) for _ in range(3))
+    >>> r = fs.simulate(q, k, v, "flash2", sram_bytes="64KiB")
+    >>> r.traffic == fs.count("flash2", Nq=300, Nk=300, d=64, batch_shape=(2,),
+    ...                       sram_bytes="64KiB")
+    True
+"""
+
+from . import theory
+from .count import count
+from .errors import SRAMOverflowError
+from .problem import ALGORITHMS
+from .reference import attention_reference
+from .simulate import Result, simulate
+from .softmax import softmax
+from .traffic import Traffic, format_table
+
+__version__ = "0.1.0"
+
+__all__ = ["simulate", "count", "Traffic", "Result", "SRAMOverflowError", "theory",
+           "softmax", "attention_reference", "format_table", "ALGORITHMS"]

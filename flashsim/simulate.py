@@ -1,0 +1,221 @@
+"""Attention executed tile by tile on the two-level memory of `memory.Machine`.
+
+Every HBM↔SRAM move goes through ``Machine.load``/``store`` and is tagged in a comment
+with what it moves, so the schedule reads beside the paper's listings and the CUDA
+kernels. The math is float64 throughout; ``io_dtype`` only sets the bytes counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .memory import Machine
+from .problem import (ALGORITHMS, Shape, canon_batch, canonical, check_algorithm, check_arrays,
+                      check_scale, itemsize_of, restore)
+from .tiling import Band, Tiles, band_for, parse_size, resolve_block_sizes
+from .traffic import Traffic
+
+NEG_INF = -np.inf
+
+
+@dataclass(frozen=True)
+class Result:
+    """What `simulate` returns.
+
+    out: (..., Nq, dv) float64; lse: (..., Nq) float64, natural log (−inf for a row
+    that sees no key); traffic: HBM bytes per tensor; block_sizes: (Br, Bc) used, or
+    None for standard attention; sram_peak_bytes: most bytes live in SRAM at once
+    (None for standard attention, whose passes are whole-matrix library calls).
+    """
+    out: np.ndarray
+    lse: np.ndarray
+    traffic: Traffic
+    block_sizes: tuple[int, int] | None
+    sram_peak_bytes: int | None
+    algorithm: str
+    shape: Shape
+
+
+def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
+             causal: bool = False, scale=None, io_dtype=None) -> Result:
+    """Run ``algorithm`` ∈ {"standard", "flash1", "flash2"} on q (..., Nq, d),
+    k (..., Nk, d), v (..., Nk, dv) and count its HBM traffic.
+
+    The flash algorithms need exactly one of ``sram_bytes`` (block sizes by the paper's
+    rule, shrunk to fit) or ``block_sizes=(Br, Bc)``. ``io_dtype`` (default q.dtype)
+    sets the bytes per element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes.
+    """
+    algorithm = check_algorithm(algorithm)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    q, k, v, shape = check_arrays(q, k, v)
+    itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
+    scale = check_scale(scale, shape.d)
+    blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
+                                 d=shape.d, dv=shape.dv, itemsize=itemsize)
+    budget = parse_size(sram_bytes) if sram_bytes is not None else None
+    band = band_for(bool(causal))
+    Q, K, V = canonical(q, k, v, shape)
+    machine = Machine(shape.problems, itemsize,
+                      budget if algorithm != "standard" else None)
+    if algorithm == "standard":
+        O, L = _standard(machine, Q, K, V, shape, band, scale)
+        peak = None
+    else:
+        Br, Bc = blocks
+        tiles = Tiles(shape.Nq, shape.Nk, Br, Bc, band)
+        run = _flash1 if algorithm == "flash1" else _flash2
+        O, L = run(machine, Q, K, V, shape, tiles, scale)
+        peak = machine.sram.peak
+    return Result(out=restore(O, shape, (shape.Nq, shape.dv)),
+                  lse=restore(L, shape, (shape.Nq,)),
+                  traffic=machine.traffic, block_sizes=blocks,
+                  sram_peak_bytes=peak, algorithm=algorithm, shape=shape)
+
+
+def _hbm(shape: Shape, cols: int | None, fill: float) -> np.ndarray:
+    """A tensor in HBM with the canonical leading shape (…, hk, g)."""
+    rows = (shape.Nq,) if cols is None else (shape.Nq, cols)
+    return np.full(canon_batch(shape) + rows, fill, dtype=np.float64)
+
+
+def _safe(m: np.ndarray) -> np.ndarray:
+    # A row with no visible key so far has m = −∞; subtracting 0 instead keeps
+    # exp(−∞ − 0) = 0 where exp(−∞ − (−∞)) would be NaN.
+    return np.where(np.isneginf(m), 0.0, m)
+
+
+def _masked_scores(Qi, Kj, scale, tiles: Tiles, i: int, j: int) -> np.ndarray:
+    S = scale * (Qi @ np.swapaxes(Kj, -1, -2))
+    if tiles.partial(i, j):
+        S = np.where(tiles.mask(i, j), S, NEG_INF)
+    return S
+
+
+# -- Algorithm 0: standard attention ----------------------------------------------------
+
+def _standard(mc: Machine, Q, K, V, shape: Shape, band: Band, scale):
+    Nq, Nk = shape.Nq, shape.Nk
+    Qh = mc.read_whole("Q", Q)                                   # HBM→SRAM: Q (Nq·d)
+    Kh = mc.read_whole("K", K)                                   # HBM→SRAM: K (Nk·d)
+    S = scale * (Qh @ np.swapaxes(Kh, -1, -2))
+    if not band.unbounded:
+        S = np.where(band.allowed(np.arange(Nq), np.arange(Nk), Nk - Nq), S, NEG_INF)
+    S = mc.write_whole("S", S)                                   # SRAM→HBM: S (Nq·Nk)
+
+    S = mc.read_whole("S", S)                                    # HBM→SRAM: S (Nq·Nk)
+    m = S.max(axis=-1, initial=NEG_INF)
+    P = np.exp(S - _safe(m)[..., None])
+    l = P.sum(axis=-1)
+    P = P / np.where(l > 0, l, 1.0)[..., None]
+    P = mc.write_whole("P", P)                                   # SRAM→HBM: P (Nq·Nk)
+
+    P = mc.read_whole("P", P)                                    # HBM→SRAM: P (Nq·Nk)
+    Vh = mc.read_whole("V", V)                                   # HBM→SRAM: V (Nk·dv)
+    O = np.broadcast_to(P @ Vh, canon_batch(shape) + (Nq, shape.dv))
+    O = mc.write_whole("O", np.ascontiguousarray(O))             # SRAM→HBM: O (Nq·dv)
+    with np.errstate(divide="ignore"):
+        L = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), NEG_INF)
+    return O, np.broadcast_to(L, canon_batch(shape) + (Nq,))
+
+
+# -- Algorithm 1: FlashAttention (K/V outer, Q inner) ------------------------------------
+
+def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
+    Br, Bc = tiles.Br, tiles.Bc
+    O = _hbm(shape, shape.dv, 0.0)
+    l = _hbm(shape, None, 0.0)
+    m = _hbm(shape, None, NEG_INF)
+    mc.store("O", O, 0, shape.Nq, O)                             # SRAM→HBM: O = 0 (Nq·dv)
+    mc.store("l", l, 0, shape.Nq, l, stat=True)                  # SRAM→HBM: ℓ = 0 (Nq)
+    mc.store("m", m, 0, shape.Nq, m, stat=True)                  # SRAM→HBM: m = −∞ (Nq)
+    ilo, ihi = tiles.q_ranges()
+    for j in range(tiles.Tc):
+        if ihi[j] < ilo[j]:
+            continue                                             # no visible entry: skip K_j
+        j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
+        Kj = mc.load("K", K, j0, j1)                             # HBM→SRAM: K_j (Bc·d)
+        Vj = mc.load("V", V, j0, j1)                             # HBM→SRAM: V_j (Bc·dv)
+        for i in range(ilo[j], ihi[j] + 1):
+            i0, i1 = i * Br, min((i + 1) * Br, shape.Nq)
+            Qi = mc.load("Q", Q, i0, i1)                         # HBM→SRAM: Q_i (Br·d)
+            Oi = mc.load("O", O, i0, i1)                         # HBM→SRAM: O_i (Br·dv)
+            li = mc.load("l", l, i0, i1, stat=True)              # HBM→SRAM: ℓ_i (Br)
+            mi = mc.load("m", m, i0, i1, stat=True)              # HBM→SRAM: m_i (Br)
+            mc.scratch("S", i1 - i0, j1 - j0)
+            S = _masked_scores(Qi, Kj, scale, tiles, i, j)
+            mc.scratch("m~", i1 - i0, stat=True)
+            mc.scratch("l~", i1 - i0, stat=True)
+            m_t = S.max(axis=-1)                                 # m̃_ij = rowmax(S_ij)
+            P = np.exp(S - _safe(m_t)[..., None])                # P̃_ij overwrites S_ij
+            l_t = P.sum(axis=-1)                                 # ℓ̃_ij = rowsum(P̃_ij)
+            mc.scratch("m_new", i1 - i0, stat=True)
+            mc.scratch("l_new", i1 - i0, stat=True)
+            m_new = np.maximum(mi, m_t)
+            a = np.exp(mi - _safe(m_new))                        # e^{m_i − m_new}
+            b = np.exp(m_t - _safe(m_new))                       # e^{m̃_ij − m_new}
+            l_new = a * li + b * l_t
+            inv = np.where(l_new > 0, 1.0 / np.where(l_new > 0, l_new, 1.0), 0.0)
+            Oi = inv[..., None] * ((li * a)[..., None] * Oi + b[..., None] * (P @ Vj))
+            mc.store("O", O, i0, i1, Oi)                         # SRAM→HBM: O_i (Br·dv)
+            mc.store("l", l, i0, i1, l_new, stat=True)           # SRAM→HBM: ℓ_i (Br)
+            mc.store("m", m, i0, i1, m_new, stat=True)           # SRAM→HBM: m_i (Br)
+            mc.free("Q", "O", "l", "m", "S", "m~", "l~", "m_new", "l_new")
+        mc.free("K", "V")
+    # The paper's Algorithm 1 returns O and keeps ℓ, m in HBM for the backward pass;
+    # the log-sum-exp reported here is derived from them after the run (not counted).
+    with np.errstate(divide="ignore"):
+        L = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), NEG_INF)
+    return O, L
+
+
+# -- FlashAttention-2 forward (Q outer, K/V inner, deferred normalisation) ---------------
+
+def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
+    Br, Bc = tiles.Br, tiles.Bc
+    O = _hbm(shape, shape.dv, np.nan)     # poisoned: every row must be written
+    L = _hbm(shape, None, np.nan)
+    jlo, jhi = tiles.kv_ranges()
+    for i in range(tiles.Tr):
+        i0, i1 = i * Br, min((i + 1) * Br, shape.Nq)
+        rows = i1 - i0
+        mc.scratch("O", rows, shape.dv)
+        mc.scratch("m", rows, stat=True)
+        if jhi[i] < jlo[i]:
+            # Every row of this tile sees no key: output 0 and L = −∞ without reading.
+            mc.store("O", O, i0, i1, 0.0)                        # SRAM→HBM: O_i (Br·dv)
+            mc.store("L", L, i0, i1, NEG_INF, stat=True)         # SRAM→HBM: L_i (Br)
+            mc.free("O", "m")
+            continue
+        Qi = mc.load("Q", Q, i0, i1)                             # HBM→SRAM: Q_i (Br·d)
+        mc.scratch("l", rows, stat=True)
+        mc.scratch("m_new", rows, stat=True)
+        Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv))
+        mi = np.full(Oi.shape[:-1], NEG_INF)
+        li = np.zeros(Oi.shape[:-1])
+        for j in range(jlo[i], jhi[i] + 1):
+            j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
+            Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
+            Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
+            mc.scratch("S", rows, j1 - j0)
+            S = _masked_scores(Qi, Kj, scale, tiles, i, j)
+            m_new = np.maximum(mi, S.max(axis=-1))
+            P = np.exp(S - _safe(m_new)[..., None])              # P̃_ij overwrites S_ij
+            alpha = np.exp(mi - _safe(m_new))                    # e^{m_old − m_new}
+            li = alpha * li + P.sum(axis=-1)
+            Oi = alpha[..., None] * Oi + P @ Vj                  # unnormalised until the end
+            mi = m_new
+            mc.free("K", "V", "S")
+        seen = li > 0
+        Oi = Oi / np.where(seen, li, 1.0)[..., None]             # diag(ℓ_i)^−1 O_i, once
+        with np.errstate(divide="ignore"):
+            Li = np.where(seen, mi + np.log(np.where(seen, li, 1.0)), NEG_INF)
+        mc.store("O", O, i0, i1, Oi)                             # SRAM→HBM: O_i (Br·dv)
+        mc.store("L", L, i0, i1, Li, stat=True)                  # SRAM→HBM: L_i = m_i + log ℓ_i (Br)
+        mc.free("Q", "O", "m", "l", "m_new")
+    return O, L
+
+
+__all__ = ["simulate", "Result", "ALGORITHMS"]

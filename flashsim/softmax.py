@@ -1,0 +1,2 @@
+def softmax(*a, **k):
+    raise NotImplementedError
