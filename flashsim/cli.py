@@ -1,0 +1,516 @@
+"""The ``flashsim`` command line.
+
+    flashsim                      built-in example: standard vs flash1 vs flash2
+    flashsim simulate [...]       one algorithm on one problem (real math, or --no-math)
+    flashsim sweep [...]          HBM traffic against SRAM size M for all three algorithms
+
+Library errors (bad sizes, an SRAM too small for any tile, ...) are printed as
+``flashsim: error: <message>`` with exit status 2, like argparse's own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+
+import numpy as np
+
+from . import theory
+from .count import count
+from .problem import ALGORITHMS, itemsize_of, make_shape
+from .reference import attention_reference
+from .simulate import simulate
+from .tiling import Tiles, band_for, cdiv, parse_size, resolve_block_sizes, sram_footprint
+from .traffic import format_table
+
+PROG = "flashsim"
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+DEFAULT_SRAM = "192KiB"
+
+# Math runs beyond these limits would take minutes or exhaust memory; --no-math counts
+# the same bytes with no arrays at all.
+MAX_STANDARD_MATRIX_BYTES = 2 * 2**30      # one float64 Nq×Nk matrix per problem, all problems
+MAX_SCORE_ENTRIES = 2**31                  # B·H·Nq·Nk for any math run
+MAX_TILE_STEPS = 200_000                   # visited (Q tile, K/V tile) pairs of a flash run
+MAX_REFERENCE_ENTRIES = 2**24              # largest B·H·Nq·Nk checked against the reference
+
+NAMES = {"standard": "standard attention", "flash1": "FlashAttention-1",
+         "flash2": "FlashAttention-2"}
+
+
+class CLIError(ValueError):
+    """An input the command line refuses (reported like the library's ValueErrors)."""
+
+
+# -- formatting helpers ---------------------------------------------------------------
+
+def human_bytes(n: float | int | None, compact: bool = False) -> str:
+    """'33.00 MiB', '512 B'; with ``compact``, whole values drop the decimals ('192 KiB')."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if compact and v == int(v) else f"{v:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_size(n) -> str:
+    """An SRAM size: '192 KiB', '1.50 MiB'."""
+    return human_bytes(n, compact=True)
+
+
+def _exact(n: int, compact: bool = False) -> str:
+    return f"{human_bytes(n, compact)} ({n:,} B)"
+
+
+def _causal_word(causal: bool) -> str:
+    return "causal" if causal else "non-causal"
+
+
+def _steps(Nq: int, Nk: int, Br: int, Bc: int, causal: bool) -> int:
+    """Visited (Q tile, K/V tile) pairs: the Python-loop iterations of a flash run."""
+    tiles = Tiles(Nq, Nk, Br, Bc, band_for(causal))
+    jlo, jhi = tiles.kv_ranges()
+    return int(np.maximum(jhi - jlo + 1, 0).sum())
+
+
+# -- parser ------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="IO-aware attention, counted: HBM traffic of standard attention, "
+                    "FlashAttention-1 and FlashAttention-2 on a two-level memory. "
+                    "With no command, runs a built-in example (N = 2048, d = 64, "
+                    "float16, SRAM 192 KiB).",
+        epilog="Run 'flashsim simulate --help' or 'flashsim sweep --help' for each command.")
+    sub = p.add_subparsers(dest="command", metavar="{simulate,sweep}")
+
+    s = sub.add_parser(
+        "simulate", help="run one algorithm on one problem and count its HBM traffic",
+        description="Run one algorithm tile by tile on random inputs (or, with --no-math, "
+                    "count the bytes only) and report the HBM traffic per tensor, the "
+                    "tiling, the SRAM use and the closed-form check.")
+    s.add_argument("--algorithm", "-a", choices=ALGORITHMS, default="flash2",
+                   help="which schedule to run (default: flash2)")
+    s.add_argument("--seq", "-N", type=int, default=4096, metavar="N",
+                   help="query sequence length Nq (default: 4096)")
+    s.add_argument("--seq-k", type=int, default=None, metavar="Nk",
+                   help="key/value sequence length Nk (default: = --seq)")
+    s.add_argument("--head-dim", "-d", type=int, default=64, metavar="d",
+                   help="head dimension d of Q and K (default: 64)")
+    s.add_argument("--head-dim-v", type=int, default=None, metavar="dv",
+                   help="head dimension dv of V and O (default: = --head-dim)")
+    tiling = s.add_mutually_exclusive_group()
+    tiling.add_argument("--sram", metavar="SIZE", default=None,
+                        help="SRAM size M, e.g. 192KiB, 1MiB, 100KB or 65536 "
+                             f"(default: {DEFAULT_SRAM}); block sizes follow the paper's rule")
+    tiling.add_argument("--block-sizes", type=int, nargs=2, metavar=("Br", "Bc"),
+                        help="explicit block sizes instead of --sram")
+    s.add_argument("--causal", action="store_true", help="bottom-right causal mask")
+    s.add_argument("--batch", "-B", type=int, default=1, help="batch size (default: 1)")
+    s.add_argument("--heads", "-H", type=int, default=1, help="query heads (default: 1)")
+    s.add_argument("--kv-heads", type=int, default=None, metavar="Hk",
+                   help="K/V heads, dividing --heads, for GQA/MQA (default: = --heads)")
+    s.add_argument("--dtype", choices=DTYPES, default="float16",
+                   help="I/O element type whose bytes are counted (default: float16); "
+                        "the math itself runs in float64")
+    s.add_argument("--no-math", action="store_true",
+                   help="count bytes only (fs.count): no arrays, fast at any N")
+    s.add_argument("--seed", type=int, default=0, help="random seed for q, k, v (default: 0)")
+    s.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+
+    w = sub.add_parser(
+        "sweep", help="HBM traffic against SRAM size for all three algorithms",
+        description="Count (fs.count, no math) the HBM traffic of standard attention, "
+                    "FlashAttention-1 and FlashAttention-2 at geometrically spaced SRAM "
+                    "sizes M from --min to --max.")
+    w.add_argument("--seq", "-N", type=int, default=4096, metavar="N",
+                   help="sequence length Nq = Nk (default: 4096)")
+    w.add_argument("--head-dim", "-d", type=int, default=64, metavar="d",
+                   help="head dimension d (default: 64)")
+    w.add_argument("--dtype", choices=DTYPES, default="float16",
+                   help="I/O element type (default: float16)")
+    w.add_argument("--causal", action="store_true", help="bottom-right causal mask")
+    w.add_argument("--min", dest="min_size", default="16KiB", metavar="SIZE",
+                   help="smallest SRAM size (default: 16KiB)")
+    w.add_argument("--max", dest="max_size", default="16MiB", metavar="SIZE",
+                   help="largest SRAM size (default: 16MiB)")
+    w.add_argument("--points", type=int, default=13,
+                   help="number of SRAM sizes, geometrically spaced (default: 13)")
+    w.add_argument("--plot", metavar="FILE",
+                   help="write a log-log plot (needs matplotlib: pip install \"flashsim[analysis]\")")
+    w.add_argument("--csv", metavar="FILE", help="write the numbers as CSV")
+    return p
+
+
+# -- flashsim (no command): the built-in example ----------------------------------------
+
+def run_default() -> int:
+    N, d, dtype, sram = 2048, 64, "float16", DEFAULT_SRAM
+    b = itemsize_of(dtype)
+    budget = parse_size(sram)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((N, d)).astype(np.float16) for _ in range(3))
+    ref, _ = attention_reference(q, k, v)
+
+    results = {a: simulate(q, k, v, a, sram_bytes=sram) for a in ALGORITHMS}
+    std = results["standard"].traffic.total_bytes
+
+    print("flashsim: standard attention vs FlashAttention-1 vs FlashAttention-2")
+    print(f"problem: Nq = Nk = N = {N}, d = {d}, batch 1, heads 1, {dtype} I/O ({b} B/element), "
+          f"SRAM M = {human_size(budget)}, non-causal")
+    print("inputs:  q, k, v ~ N(0, 1) from numpy default_rng(0); the real math runs "
+          "(float64) and every HBM byte is counted")
+    print()
+    print("HBM traffic per tensor")
+    print(format_table({a: r.traffic for a, r in results.items()}))
+    print()
+    print(f"tiling (SRAM budget {human_size(budget)})")
+    for a in ("flash1", "flash2"):
+        r = results[a]
+        Br, Bc = r.block_sizes
+        print(f"  {a}: Br = {Br}, Bc = {Bc} (Tr = {cdiv(N, Br)}, Tc = {cdiv(N, Bc)}), "
+              f"SRAM peak {human_bytes(r.sram_peak_bytes)} = {r.sram_peak_bytes:,} B "
+              f"({100 * r.sram_peak_bytes / budget:.0f}% of budget)")
+    print("  standard: no tiling (whole-matrix passes through HBM)")
+    print()
+    print("HBM traffic, total (reads + writes)")
+    w = max(len(a) for a in ALGORITHMS)
+    print(f"  {'':<{w}}  {'total':>10}  {'bytes':>12}    standard / algorithm")
+    for a, r in results.items():
+        t = r.traffic.total_bytes
+        print(f"  {a:<{w}}  {human_bytes(t):>10}  {t:>12,}    {std / t:.2f}x")
+    print()
+    print("accuracy: max |out - attention_reference| (float64 reference)")
+    for a, r in results.items():
+        print(f"  {a:<{w}}  {float(np.max(np.abs(r.out - ref))):.2e}")
+    print()
+    print("theory: fs.theory.traffic (closed form) vs the simulated traffic")
+    for a, r in results.items():
+        Br, Bc = r.block_sizes or (None, None)
+        t = theory.traffic(a, Nq=N, Nk=N, d=d, Br=Br, Bc=Bc, itemsize=b)
+        print(f"  {a:<{w}}  matches closed form: {'yes' if t == r.traffic else 'no'}")
+    print()
+    print("More: flashsim simulate --help  |  flashsim sweep --help")
+    return 0
+
+
+# -- flashsim simulate ------------------------------------------------------------------
+
+def run_simulate(args) -> int:
+    alg = args.algorithm
+    Nq = args.seq
+    Nk = args.seq if args.seq_k is None else args.seq_k
+    d = args.head_dim
+    dv = d if args.head_dim_v is None else args.head_dim_v
+    B, H = args.batch, args.heads
+    Hk = H if args.kv_heads is None else args.kv_heads
+    for name, value, low in (("--seq", Nq, 1), ("--seq-k", Nk, 1), ("--head-dim", d, 1),
+                             ("--head-dim-v", dv, 1), ("--batch", B, 1), ("--heads", H, 1),
+                             ("--kv-heads", Hk, 1)):
+        if value < low:
+            raise CLIError(f"{name} must be >= {low}, got {value}")
+    if Hk > H or H % Hk:
+        raise CLIError(f"--kv-heads {Hk} must divide --heads {H} (GQA/MQA groups query heads "
+                       "over K/V heads)")
+    sram = args.sram
+    if sram is None and args.block_sizes is None:
+        sram = DEFAULT_SRAM
+    budget = parse_size(sram) if sram is not None else None
+    b = itemsize_of(args.dtype)
+    shape = make_shape(Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=(B, H), kv_batch_shape=(B, Hk))
+    problems = shape.problems
+
+    # Validates the tiling (SRAM overflow, bad block sizes) before any array is made.
+    blocks = resolve_block_sizes(alg, sram_bytes=budget,
+                                 block_sizes=tuple(args.block_sizes) if args.block_sizes else None,
+                                 d=d, dv=dv, itemsize=b)
+    counted = count(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=(B, H), kv_batch_shape=(B, Hk),
+                    sram_bytes=budget, block_sizes=args.block_sizes and tuple(args.block_sizes),
+                    causal=args.causal, io_dtype=args.dtype)
+    is_flash = alg != "standard"
+    if not is_flash:
+        blocks = None  # standard attention does not tile
+
+    max_err = None
+    if args.no_math:
+        traffic = counted
+        peak = sram_footprint(alg, *blocks, d, dv, b) if is_flash else None
+    else:
+        entries = problems * Nq * Nk
+        hint = "use --no-math to count the same bytes without running the math"
+        if not is_flash and entries * 8 > MAX_STANDARD_MATRIX_BYTES:
+            raise CLIError(f"standard attention would materialise B·H·Nq·Nk = {entries:,} "
+                           f"float64 scores ({human_bytes(entries * 8)}, over "
+                           f"{human_size(MAX_STANDARD_MATRIX_BYTES)}); " + hint)
+        if entries > MAX_SCORE_ENTRIES:
+            raise CLIError(f"B·H·Nq·Nk = {entries:,} attention scores is too many for a math "
+                           f"run (limit 2**31); " + hint)
+        if is_flash:
+            steps = _steps(Nq, Nk, *blocks, args.causal)
+            if steps > MAX_TILE_STEPS:
+                raise CLIError(f"{alg} with Br = {blocks[0]}, Bc = {blocks[1]} visits {steps:,} "
+                               f"tile pairs (limit {MAX_TILE_STEPS:,}), which would be very slow "
+                               "in Python; use larger tiles (more --sram), or " + hint)
+        rng = np.random.default_rng(args.seed)
+        q = rng.standard_normal((B, H, Nq, d), dtype=np.float32)
+        k = rng.standard_normal((B, Hk, Nk, d), dtype=np.float32)
+        v = rng.standard_normal((B, Hk, Nk, dv), dtype=np.float32)
+        r = simulate(q, k, v, alg, sram_bytes=budget,
+                     block_sizes=None if budget is not None else tuple(args.block_sizes),
+                     causal=args.causal, io_dtype=args.dtype)
+        traffic, peak = r.traffic, r.sram_peak_bytes
+        if entries <= MAX_REFERENCE_ENTRIES:
+            ref, _ = attention_reference(q, k, v, causal=args.causal)
+            max_err = float(np.max(np.abs(r.out - ref))) if r.out.size else 0.0
+
+    Br, Bc = blocks if blocks else (None, None)
+    closed = theory.traffic(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc, causal=args.causal,
+                            itemsize=b, problems=problems)
+    matches = closed == traffic
+
+    # Theorem 2's Θ shapes (elements, per problem), N = √(Nq·Nk) when Nq ≠ Nk.
+    N_eff = Nq if Nq == Nk else math.isqrt(Nq * Nk)
+    if is_flash:
+        M_bytes = budget if budget is not None else sram_footprint(alg, Br, Bc, d, dv, b)
+        M = max(1, M_bytes // b)
+        theta = theory.theorem2_flash(N_eff, d, M)
+        theta_formula = "N²·d²/M"
+    else:
+        M = None
+        theta = theory.theorem2_standard(N_eff, d)
+        theta_formula = "N·d + N²"
+    theta_bytes = theta * b * problems
+
+    if args.json:
+        out = {
+            "algorithm": alg,
+            "problem": {"Nq": Nq, "Nk": Nk, "d": d, "dv": dv, "batch": B, "heads": H,
+                        "kv_heads": Hk, "problems": problems, "causal": bool(args.causal),
+                        "dtype": args.dtype, "itemsize": b},
+            "math": not args.no_math,
+            "seed": None if args.no_math else args.seed,
+            "sram_bytes": budget,
+            "block_sizes": list(blocks) if blocks else None,
+            "Tr": cdiv(Nq, Br) if Br else None,
+            "Tc": cdiv(Nk, Bc) if Bc else None,
+            "sram_peak_bytes": None if args.no_math else peak,
+            "sram_bound_bytes": peak if args.no_math else None,
+            "traffic": traffic.to_dict(),
+            "theory_traffic": closed.to_dict(),
+            "matches_theory": matches,
+            "matches_count": counted == traffic,
+            "theorem2": {"formula": theta_formula, "N": N_eff, "d": d, "M_elements": M,
+                         "elements_per_problem": theta, "bytes": theta_bytes},
+            "max_abs_error": max_err,
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+
+    heads = f"heads {H}" + (f" (K/V heads {Hk}, GQA groups of {H // Hk})" if Hk != H else "")
+    seqs = f"Nq = Nk = {Nq}" if Nq == Nk else f"Nq = {Nq}, Nk = {Nk}"
+    dims = f"d = {d}" if dv == d else f"d = {d}, dv = {dv}"
+    def line(label: str, text: str) -> None:
+        print(f"{label:<13}{text}")
+
+    print(f"flashsim simulate: {alg} ({NAMES[alg]})")
+    line("problem", f"{seqs}, {dims}, batch {B}, {heads}, {args.dtype} I/O ({b} B/element), "
+                    f"{_causal_word(args.causal)}")
+    if args.no_math:
+        line("mode", "--no-math: bytes counted by fs.count, no arrays")
+    else:
+        line("mode", f"real math on random normal q, k, v (seed {args.seed}); every HBM byte "
+                     "counted")
+    print()
+    print("HBM traffic per tensor")
+    print(traffic.table())
+    print()
+    line("total", f"{_exact(traffic.total_bytes)}: reads {human_bytes(traffic.read_bytes)}, "
+                  f"writes {human_bytes(traffic.write_bytes)}")
+    if is_flash:
+        how = "from --block-sizes" if budget is None else "paper's rule, fitted to the SRAM budget"
+        line("tiling", f"Br = {Br}, Bc = {Bc}, Tr = {cdiv(Nq, Br)}, Tc = {cdiv(Nk, Bc)} ({how})")
+        vs = (f" of the {_exact(budget, compact=True)} budget ({100 * peak / budget:.0f}%)"
+              if budget is not None else " (no budget given: --block-sizes)")
+        if args.no_math:
+            line("SRAM bound", f"{_exact(peak)}{vs} (footprint formula, tiling.sram_footprint)")
+        else:
+            line("SRAM peak", f"{_exact(peak)}{vs}")
+    else:
+        line("tiling", "none: standard attention writes S and P to HBM, so the SRAM size "
+                       "does not change its traffic")
+    if max_err is not None:
+        line("accuracy", f"max |out - attention_reference| = {max_err:.2e}")
+    elif not args.no_math:
+        line("accuracy", "reference check skipped (too large for the dense float64 reference)")
+    print()
+    line("closed form", f"fs.theory.traffic = {_exact(closed.total_bytes)}; "
+                        f"matches closed form: {'yes' if matches else 'no'}")
+    if not matches:
+        for (direction, name), (got, want) in traffic.diff(closed).items():
+            line("", f"{direction} {name}: simulated {got:,} B, closed form {want:,} B")
+    m_text = f", M = {M:,} elements" if M is not None else ""
+    if is_flash and budget is None:
+        m_text += " (the tiles' SRAM footprint)"
+    n_text = f"N = {N_eff}" if Nq == Nk else f"N = √(Nq·Nk) ≈ {N_eff}"
+    line("Theorem 2", f"Θ({theta_formula}) with {n_text}, d = {d}{m_text}")
+    plural = "problem" if problems == 1 else "problems"
+    line("", f"= {theta:,.0f} elements per problem ≈ {human_bytes(theta_bytes)} for {problems} "
+             f"{plural}; simulated / Θ = {traffic.total_bytes / theta_bytes:.2f}")
+    line("", "(an order-of-magnitude shape for reference, not an exact count)")
+    return 0
+
+
+# -- flashsim sweep ---------------------------------------------------------------------
+
+def _sram_sizes(lo: int, hi: int, points: int) -> list[int]:
+    if points == 1:
+        return [lo]
+    sizes = np.geomspace(lo, hi, points)
+    return sorted({int(round(x)) for x in sizes})
+
+
+def _progress(done: int, total: int, width: int = 30) -> None:
+    """A text progress bar on stderr: redrawn in place on a terminal, a line per
+    quarter otherwise (so logs stay readable)."""
+    if sys.stderr.isatty():
+        filled = width * done // total
+        print(f"\rsweep [{'#' * filled}{'.' * (width - filled)}] {done}/{total} SRAM sizes",
+              end="\n" if done == total else "", file=sys.stderr, flush=True)
+    elif done == total or (4 * done) // total != (4 * (done - 1)) // total:
+        print(f"sweep: {done}/{total} SRAM sizes", file=sys.stderr, flush=True)
+
+
+def run_sweep(args) -> int:
+    N, d, b = args.seq, args.head_dim, itemsize_of(args.dtype)
+    lo, hi = parse_size(args.min_size), parse_size(args.max_size)
+    if N < 1 or d < 1:
+        raise CLIError(f"--seq and --head-dim must be >= 1, got {N} and {d}")
+    if lo < 1 or hi < lo:
+        raise CLIError(f"need 1 B <= --min <= --max, got --min {args.min_size} and "
+                       f"--max {args.max_size}")
+    if args.points < 1:
+        raise CLIError(f"--points must be >= 1, got {args.points}")
+    plt = _import_pyplot() if args.plot else None
+
+    sizes = _sram_sizes(lo, hi, args.points)
+    progress = len(sizes) > 50
+    rows = []  # (M, {alg: total or None}, {alg: (Br, Bc) or None})
+    minimum = {}
+    for n, M in enumerate(sizes, 1):
+        totals, blocks = {}, {}
+        for a in ALGORITHMS:
+            try:
+                blocks[a] = resolve_block_sizes(a, sram_bytes=M, block_sizes=None, d=d, dv=d,
+                                                itemsize=b)
+                totals[a] = count(a, Nq=N, Nk=N, d=d, sram_bytes=M, causal=args.causal,
+                                  io_dtype=args.dtype).total_bytes
+            except ValueError as e:  # SRAMOverflowError: no tile fits
+                if getattr(e, "minimum_bytes", None) is None:
+                    raise
+                totals[a], blocks[a] = None, None
+                minimum[a] = e.minimum_bytes
+        rows.append((M, totals, blocks))
+        if progress:
+            _progress(n, len(sizes))
+
+    print(f"flashsim sweep: HBM traffic (reads + writes) against SRAM size M")
+    print(f"problem: Nq = Nk = N = {N}, d = {d}, {args.dtype} I/O ({b} B/element), "
+          f"{_causal_word(args.causal)}; {len(sizes)} sizes from {human_size(lo)} "
+          f"to {human_size(hi)}")
+    print()
+    header = ["SRAM M", "standard", "flash1", "flash2", "flash1 Br×Bc", "flash2 Br×Bc"]
+    table = [header]
+    for M, totals, blocks in rows:
+        table.append([human_size(M)] + [human_bytes(totals[a]) for a in ALGORITHMS]
+                     + [f"{blocks[a][0]}×{blocks[a][1]}" if blocks[a] else "-"
+                        for a in ("flash1", "flash2")])
+    widths = [max(len(r[c]) for r in table) for c in range(len(header))]
+    for k, r in enumerate(table):
+        print("  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip())
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    for a, need in minimum.items():
+        print(f"- : {a} has no tile that fits; it needs at least {need:,} B of SRAM")
+    print("(standard attention does not tile: its traffic does not depend on M)")
+
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.writer(f)
+            wr.writerow(["sram_bytes", "standard_bytes", "flash1_bytes", "flash2_bytes",
+                         "flash1_Br", "flash1_Bc", "flash2_Br", "flash2_Bc"])
+            for M, totals, blocks in rows:
+                wr.writerow([M] + ["" if totals[a] is None else totals[a] for a in ALGORITHMS]
+                            + [("" if blocks[a] is None else blocks[a][i])
+                               for a in ("flash1", "flash2") for i in (0, 1)])
+        print(f"wrote {args.csv}")
+    if args.plot:
+        _plot(plt, rows, args)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+class _MissingMatplotlib(Exception):
+    pass
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise _MissingMatplotlib(
+            "--plot needs matplotlib, which is not installed; "
+            'pip install "flashsim[analysis]" (or pip install matplotlib)') from None
+    return plt
+
+
+def _plot(plt, rows, args) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"standard": ("standard attention", "o-"), "flash1": ("FlashAttention-1", "s-"),
+              "flash2": ("FlashAttention-2", "^-")}
+    for a in ALGORITHMS:
+        xs = [M for M, totals, _ in rows if totals[a] is not None]
+        ys = [totals[a] for _, totals, _ in rows if totals[a] is not None]
+        if xs:
+            label, style = styles[a]
+            ax.plot(xs, ys, style, label=label, markersize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("SRAM size M (bytes)")
+    ax.set_ylabel("HBM traffic (bytes)")
+    ax.set_title(f"N = {args.seq}, d = {args.head_dim}, {args.dtype}"
+                 + (", causal" if args.causal else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)
+
+
+# -- entry point ------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command is None:
+            return run_default()
+        if args.command == "simulate":
+            return run_simulate(args)
+        return run_sweep(args)
+    except (ValueError, TypeError, OSError, _MissingMatplotlib) as e:
+        # ValueError covers fs.SRAMOverflowError; OSError an unwritable --csv/--plot path
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
