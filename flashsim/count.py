@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import STAT_BYTES, check_algorithm, itemsize_of, make_shape
-from .tiling import Tiles, band_for, resolve_block_sizes
+from .problem import STAT_BYTES, check_algorithm, check_options, itemsize_of, make_shape
+from .tiling import Tiles, resolve_block_sizes
 from .traffic import Traffic
+from .variants import make_band
 
 
 def _span(lo: np.ndarray, hi: np.ndarray, B: int, N: int) -> np.ndarray:
@@ -21,35 +22,46 @@ def _span(lo: np.ndarray, hi: np.ndarray, B: int, N: int) -> np.ndarray:
 
 def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
           batch_shape=(), kv_batch_shape=None, sram_bytes=None, block_sizes=None,
-          causal: bool = False, io_dtype="float16") -> Traffic:
+          causal: bool = False, io_dtype="float16", window=None,
+          num_splits=None) -> Traffic:
     """HBM traffic of ``algorithm`` for a problem of the given sizes; equal to
-    ``simulate(...).traffic`` for the same problem, tiling and mask."""
+    ``simulate(...).traffic`` for the same problem, tiling, mask and options.
+    (softcap and ALiBi change no count, so they are not parameters here.)"""
     algorithm = check_algorithm(algorithm)
     shape = make_shape(Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
                        kv_batch_shape=kv_batch_shape)
     b = itemsize_of(io_dtype)
+    band = make_band(causal, window)
+    opts = check_options(algorithm, num_splits=num_splits)
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=b)
-    return _count(algorithm, shape, blocks, bool(causal), b)
-
-
-def _count(algorithm, shape, blocks, causal, b) -> Traffic:
-    Nq, Nk, d, dv, n = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems
     if algorithm == "standard":
-        return n * Traffic(
-            reads={"Q": Nq * d * b, "K": Nk * d * b, "V": Nk * dv * b,
-                   "S": Nq * Nk * b, "P": Nq * Nk * b},
-            writes={"S": Nq * Nk * b, "P": Nq * Nk * b, "O": Nq * dv * b})
-    Br, Bc = blocks
-    tiles = Tiles(Nq, Nk, Br, Bc, band_for(causal))
-    if algorithm == "flash2":
-        jlo, jhi = tiles.kv_ranges()
-        i0, i1 = tiles.q_bounds()
-        q_rows = int(np.where(jhi >= jlo, i1 - i0, 0).sum())
-        keys = int(_span(jlo, jhi, Bc, Nk).sum())
-        return n * Traffic(
-            reads={"Q": q_rows * d * b, "K": keys * d * b, "V": keys * dv * b},
-            writes={"O": Nq * dv * b, "L": Nq * STAT_BYTES})
+        return _count_standard(shape, b)
+    return COUNTS[algorithm](shape, Tiles(shape.Nq, shape.Nk, *blocks, band), b, **opts)
+
+
+def _count_standard(shape, b) -> Traffic:
+    Nq, Nk, d, dv, n = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems
+    return n * Traffic(
+        reads={"Q": Nq * d * b, "K": Nk * d * b, "V": Nk * dv * b,
+               "S": Nq * Nk * b, "P": Nq * Nk * b},
+        writes={"S": Nq * Nk * b, "P": Nq * Nk * b, "O": Nq * dv * b})
+
+
+def _count_flash2(shape, tiles: Tiles, b) -> Traffic:
+    Nq, Nk, d, dv, n = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems
+    jlo, jhi = tiles.kv_ranges()
+    i0, i1 = tiles.q_bounds()
+    q_rows = int(np.where(jhi >= jlo, i1 - i0, 0).sum())
+    keys = int(_span(jlo, jhi, tiles.Bc, Nk).sum())
+    return n * Traffic(
+        reads={"Q": q_rows * d * b, "K": keys * d * b, "V": keys * dv * b},
+        writes={"O": Nq * dv * b, "L": Nq * STAT_BYTES})
+
+
+def _count_flash1(shape, tiles: Tiles, b) -> Traffic:
+    Nq, Nk, d, dv, n = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems
+    Br = tiles.Br
     ilo, ihi = tiles.q_ranges()
     j0, j1 = tiles.k_bounds()
     keys = int(np.where(ihi >= ilo, j1 - j0, 0).sum())
@@ -59,3 +71,6 @@ def _count(algorithm, shape, blocks, causal, b) -> Traffic:
                "O": rows * dv * b, "l": rows * STAT_BYTES, "m": rows * STAT_BYTES},
         writes={"O": (Nq + rows) * dv * b, "l": (Nq + rows) * STAT_BYTES,
                 "m": (Nq + rows) * STAT_BYTES})
+
+
+COUNTS = {"flash1": _count_flash1, "flash2": _count_flash2}

@@ -77,6 +77,17 @@ def check_scale(scale, d: int) -> float:
     return s
 
 
+def check_options(algorithm: str, *, num_splits=None) -> dict:
+    """Algorithm-specific options: only splitkv takes ``num_splits``."""
+    if algorithm == "splitkv":
+        if num_splits is None:
+            raise ValueError("splitkv needs num_splits (the number of K/V splits per Q tile)")
+        return {"num_splits": check_size("num_splits", num_splits, 1)}
+    if num_splits is not None:
+        raise ValueError(f"num_splits applies to algorithm='splitkv', not {algorithm!r}")
+    return {}
+
+
 @dataclass(frozen=True)
 class Shape:
     """One attention problem's sizes, without arrays.

@@ -8,20 +8,19 @@ from __future__ import annotations
 import numpy as np
 
 from .problem import canonical, check_arrays, check_scale, restore
-from .tiling import band_for
+from .variants import make_scores
 
 
-def attention_reference(q, k, v, *, causal: bool = False, scale=None):
+def attention_reference(q, k, v, *, causal: bool = False, scale=None, window=None,
+                        softcap=None, alibi_slopes=None):
     """(out, lse) in float64 with FlashAttention's semantics: bottom-right causal mask,
-    GQA head groups, out = 0 and lse = −inf for a row that sees no key."""
+    GQA head groups, out = 0 and lse = −inf for a row that sees no key; variants as in
+    `flashsim.variants`."""
     q, k, v, shape = check_arrays(q, k, v)
-    scale = check_scale(scale, shape.d)
+    scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
+                         alibi_slopes)
     Q, K, V = canonical(q, k, v, shape)
-    S = scale * (Q @ np.swapaxes(K, -1, -2))
-    band = band_for(bool(causal))
-    if not band.unbounded:
-        S = np.where(band.allowed(np.arange(shape.Nq), np.arange(shape.Nk),
-                                  shape.Nk - shape.Nq), S, -np.inf)
+    S, _ = scores.full(Q, K, shape.Nq, shape.Nk)
     m = S.max(axis=-1, initial=-np.inf)
     seen = np.isfinite(m)
     P = np.exp(S - np.where(seen, m, 0.0)[..., None])

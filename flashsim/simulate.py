@@ -13,8 +13,9 @@ import numpy as np
 
 from .memory import Machine
 from .problem import (ALGORITHMS, Shape, canon_batch, canonical, check_algorithm, check_arrays,
-                      check_scale, itemsize_of, restore)
-from .tiling import Band, Tiles, band_for, parse_size, resolve_block_sizes
+                      check_options, check_scale, itemsize_of, restore)
+from .tiling import Tiles, parse_size, resolve_block_sizes
+from .variants import Scores, make_scores
 from .traffic import Traffic
 
 NEG_INF = -np.inf
@@ -39,35 +40,36 @@ class Result:
 
 
 def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
-             causal: bool = False, scale=None, io_dtype=None) -> Result:
-    """Run ``algorithm`` ∈ {"standard", "flash1", "flash2"} on q (..., Nq, d),
-    k (..., Nk, d), v (..., Nk, dv) and count its HBM traffic.
+             causal: bool = False, scale=None, io_dtype=None, window=None, softcap=None,
+             alibi_slopes=None, num_splits=None) -> Result:
+    """Run ``algorithm`` on q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) and count its
+    HBM traffic.
 
-    The flash algorithms need exactly one of ``sram_bytes`` (block sizes by the paper's
-    rule, shrunk to fit) or ``block_sizes=(Br, Bc)``. ``io_dtype`` (default q.dtype)
-    sets the bytes per element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes.
+    Algorithms: "standard", "flash1", "flash2", "splitkv" (flash-decoding, with
+    ``num_splits``) and "square" (square tiles for SRAM smaller than d²). The tiled
+    ones need exactly one of ``sram_bytes`` (block sizes by the paper's rule, shrunk to
+    fit) or ``block_sizes=(Br, Bc)``. ``io_dtype`` (default q.dtype) sets the bytes per
+    element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes. Variants: ``window=(left, right)``,
+    ``softcap``, ``alibi_slopes`` (see `flashsim.variants`).
     """
     algorithm = check_algorithm(algorithm)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
     q, k, v, shape = check_arrays(q, k, v)
     itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
-    scale = check_scale(scale, shape.d)
+    scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
+                         alibi_slopes)
+    opts = check_options(algorithm, num_splits=num_splits)
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=itemsize)
     budget = parse_size(sram_bytes) if sram_bytes is not None else None
-    band = band_for(bool(causal))
     Q, K, V = canonical(q, k, v, shape)
-    machine = Machine(shape.problems, itemsize,
-                      budget if algorithm != "standard" else None)
     if algorithm == "standard":
-        O, L = _standard(machine, Q, K, V, shape, band, scale)
+        machine = Machine(shape.problems, itemsize)
+        O, L = _standard(machine, Q, K, V, shape, scores)
         peak = None
     else:
-        Br, Bc = blocks
-        tiles = Tiles(shape.Nq, shape.Nk, Br, Bc, band)
-        run = _flash1 if algorithm == "flash1" else _flash2
-        O, L = run(machine, Q, K, V, shape, tiles, scale)
+        machine = Machine(shape.problems, itemsize, budget)
+        tiles = Tiles(shape.Nq, shape.Nk, *blocks, scores.band)
+        O, L = FORWARD[algorithm](machine, Q, K, V, shape, tiles, scores, **opts)
         peak = machine.sram.peak
     return Result(out=restore(O, shape, (shape.Nq, shape.dv)),
                   lse=restore(L, shape, (shape.Nq,)),
@@ -87,22 +89,13 @@ def _safe(m: np.ndarray) -> np.ndarray:
     return np.where(np.isneginf(m), 0.0, m)
 
 
-def _masked_scores(Qi, Kj, scale, tiles: Tiles, i: int, j: int) -> np.ndarray:
-    S = scale * (Qi @ np.swapaxes(Kj, -1, -2))
-    if tiles.partial(i, j):
-        S = np.where(tiles.mask(i, j), S, NEG_INF)
-    return S
-
-
 # -- Algorithm 0: standard attention ----------------------------------------------------
 
-def _standard(mc: Machine, Q, K, V, shape: Shape, band: Band, scale):
-    Nq, Nk = shape.Nq, shape.Nk
+def _standard(mc: Machine, Q, K, V, shape: Shape, scores: Scores):
+    Nq = shape.Nq
     Qh = mc.read_whole("Q", Q)                                   # HBM→SRAM: Q (Nq·d)
     Kh = mc.read_whole("K", K)                                   # HBM→SRAM: K (Nk·d)
-    S = scale * (Qh @ np.swapaxes(Kh, -1, -2))
-    if not band.unbounded:
-        S = np.where(band.allowed(np.arange(Nq), np.arange(Nk), Nk - Nq), S, NEG_INF)
+    S, _ = scores.full(Qh, Kh, Nq, shape.Nk)
     S = mc.write_whole("S", S)                                   # SRAM→HBM: S (Nq·Nk)
 
     S = mc.read_whole("S", S)                                    # HBM→SRAM: S (Nq·Nk)
@@ -123,7 +116,7 @@ def _standard(mc: Machine, Q, K, V, shape: Shape, band: Band, scale):
 
 # -- Algorithm 1: FlashAttention (K/V outer, Q inner) ------------------------------------
 
-def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
+def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
     Br, Bc = tiles.Br, tiles.Bc
     O = _hbm(shape, shape.dv, 0.0)
     l = _hbm(shape, None, 0.0)
@@ -145,7 +138,7 @@ def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
             li = mc.load("l", l, i0, i1, stat=True)              # HBM→SRAM: ℓ_i (Br)
             mi = mc.load("m", m, i0, i1, stat=True)              # HBM→SRAM: m_i (Br)
             mc.scratch("S", i1 - i0, j1 - j0)
-            S = _masked_scores(Qi, Kj, scale, tiles, i, j)
+            S, _ = scores.tile(Qi, Kj, tiles, i, j)
             mc.scratch("m~", i1 - i0, stat=True)
             mc.scratch("l~", i1 - i0, stat=True)
             m_t = S.max(axis=-1)                                 # m̃_ij = rowmax(S_ij)
@@ -173,7 +166,7 @@ def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
 
 # -- FlashAttention-2 forward (Q outer, K/V inner, deferred normalisation) ---------------
 
-def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
+def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
     Br, Bc = tiles.Br, tiles.Bc
     O = _hbm(shape, shape.dv, np.nan)     # poisoned: every row must be written
     L = _hbm(shape, None, np.nan)
@@ -200,7 +193,7 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
             Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
             Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
             mc.scratch("S", rows, j1 - j0)
-            S = _masked_scores(Qi, Kj, scale, tiles, i, j)
+            S, _ = scores.tile(Qi, Kj, tiles, i, j)
             m_new = np.maximum(mi, S.max(axis=-1))
             P = np.exp(S - _safe(m_new)[..., None])              # P̃_ij overwrites S_ij
             alpha = np.exp(mi - _safe(m_new))                    # e^{m_old − m_new}
@@ -217,5 +210,7 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scale):
         mc.free("Q", "O", "m", "l", "m_new")
     return O, L
 
+
+FORWARD = {"flash1": _flash1, "flash2": _flash2}
 
 __all__ = ["simulate", "Result", "ALGORITHMS"]

@@ -142,29 +142,71 @@ def _to_tiles(lo: np.ndarray, hi: np.ndarray, B: int):
 def sram_footprint(algorithm: str, Br: int, Bc: int, d: int, dv: int, itemsize: int) -> int:
     """Bytes live in SRAM at the busiest moment of one (Q tile, K/V tile) step.
 
-    Matrix tiles cost ``itemsize`` per element (P overwrites S in place), row statistics
-    4 bytes:
-      flash1: K_j, V_j, Q_i, O_i, S_ij/P_ij, and m_i, ℓ_i, m̃_ij, ℓ̃_ij, m_new, ℓ_new
-              = (Bc·d + Bc·dv + Br·d + Br·dv + Br·Bc)·b + 6·Br·4
-      flash2: Q_i, O_i, K_j, V_j, S_ij/P_ij, and m_i, ℓ_i, m_new
-              = (Br·d + Br·dv + Bc·d + Bc·dv + Br·Bc)·b + 3·Br·4
+    Matrix tiles cost ``itemsize`` per element (P overwrites S in place, dS overwrites
+    dP), row statistics 4 bytes:
+      flash1:  K_j, V_j, Q_i, O_i, S_ij/P_ij, and m_i, ℓ_i, m̃_ij, ℓ̃_ij, m_new, ℓ_new
+               = (Bc·d + Bc·dv + Br·d + Br·dv + Br·Bc)·b + 6·Br·4
+      flash2:  Q_i, O_i, K_j, V_j, S_ij/P_ij, and m_i, ℓ_i, m_new
+               = (Br·d + Br·dv + Bc·d + Bc·dv + Br·Bc)·b + 3·Br·4
+      splitkv: as flash2 (each split runs flash2's inner loop)
+      flash1-backward: K_j, V_j, dK_j, dV_j, Q_i, O_i, dO_i, dQ_i, S/P, dP/dS, ℓ_i, m_i, D_i
+               = (2·Bc·d + 2·Bc·dv + 2·Br·d + 2·Br·dv + 2·Br·Bc)·b + 3·Br·4
+      flash2-backward: K_j, V_j, dK_j, dV_j, Q_i, dO_i, S/P, dP/dS, dQacc_i (fp32), L_i, D_i
+               = (2·Bc·d + 2·Bc·dv + Br·d + Br·dv + 2·Br·Bc)·b + Br·d·4 + 2·Br·4
     """
-    tiles = (Bc * d + Bc * dv + Br * d + Br * dv + Br * Bc) * itemsize
-    if algorithm == "flash1":
-        return tiles + 6 * Br * STAT_BYTES
-    if algorithm == "flash2":
-        return tiles + 3 * Br * STAT_BYTES
-    raise ValueError(f"no SRAM footprint for algorithm {algorithm!r}")
+    try:
+        rule = BLOCK_RULES[algorithm]
+    except KeyError:
+        raise ValueError(f"no SRAM footprint for algorithm {algorithm!r}") from None
+    return rule.footprint(Br, Bc, d, dv, itemsize)
 
 
-def _tiles_from_outer(algorithm: str, B: int, d: int) -> tuple[int, int]:
-    # The paper's rule sizes the tile that stays resident across the inner loop at
-    # ⌈M/4d⌉ and caps the streamed tile at d. FlashAttention-1 keeps K_j, V_j resident
-    # (Bc = ⌈M/4d⌉, Br = min(Bc, d)); FlashAttention-2 swaps the loops and keeps Q_i
-    # resident, so the same rule gives Br = ⌈M/4d⌉, Bc = min(Br, d).
-    if algorithm == "flash1":
-        return min(B, d), B
+@dataclass(frozen=True)
+class BlockRule:
+    """How an algorithm turns the resident tile size B into (Br, Bc), and its footprint.
+    ``start(M, d)`` is the largest B tried (default: the paper's ⌈M/4d⌉)."""
+    tiles: object           # (B, d) -> (Br, Bc)
+    footprint: object       # (Br, Bc, d, dv, itemsize) -> bytes
+    start: object = None    # (M, d) -> B
+
+
+# The paper's rule sizes the tile that stays resident across the inner loop at ⌈M/4d⌉
+# and caps the streamed tile at d. FlashAttention-1 (and every KV-outer backward) keeps
+# K_j, V_j resident: Bc = ⌈M/4d⌉, Br = min(Bc, d). FlashAttention-2 swaps the loops and
+# keeps Q_i resident, so the same rule gives Br = ⌈M/4d⌉, Bc = min(Br, d).
+def _kv_resident(B, d):
+    return min(B, d), B
+
+
+def _q_resident(B, d):
     return B, min(B, d)
+
+
+def _fp_flash1(Br, Bc, d, dv, b):
+    return (Bc * d + Bc * dv + Br * d + Br * dv + Br * Bc) * b + 6 * Br * STAT_BYTES
+
+
+def _fp_flash2(Br, Bc, d, dv, b):
+    return (Br * d + Br * dv + Bc * d + Bc * dv + Br * Bc) * b + 3 * Br * STAT_BYTES
+
+
+def _fp_flash1_bwd(Br, Bc, d, dv, b):
+    return (2 * Bc * d + 2 * Bc * dv + 2 * Br * d + 2 * Br * dv + 2 * Br * Bc) * b \
+        + 3 * Br * STAT_BYTES
+
+
+def _fp_flash2_bwd(Br, Bc, d, dv, b):
+    return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc) * b \
+        + Br * d * STAT_BYTES + 2 * Br * STAT_BYTES
+
+
+BLOCK_RULES: dict[str, BlockRule] = {
+    "flash1": BlockRule(_kv_resident, _fp_flash1),
+    "flash2": BlockRule(_q_resident, _fp_flash2),
+    "splitkv": BlockRule(_q_resident, _fp_flash2),
+    "flash1-backward": BlockRule(_kv_resident, _fp_flash1_bwd),
+    "flash2-backward": BlockRule(_kv_resident, _fp_flash2_bwd),
+}
 
 
 def derive_block_sizes(algorithm: str, sram_bytes: int, d: int, dv: int,
@@ -174,15 +216,15 @@ def derive_block_sizes(algorithm: str, sram_bytes: int, d: int, dv: int,
     M = sram_bytes / itemsize elements; the resident tile starts at ⌈M/4d⌉ and is
     reduced (the streamed tile following its cap) to the largest size that fits.
     """
+    rule = BLOCK_RULES[algorithm]
     M = sram_bytes // itemsize
-    B0 = max(1, cdiv(M, 4 * d))
+    B0 = max(1, rule.start(M, d) if rule.start is not None else cdiv(M, 4 * d))
 
     def fits(B):
-        Br, Bc = _tiles_from_outer(algorithm, B, d)
-        return sram_footprint(algorithm, Br, Bc, d, dv, itemsize) <= sram_bytes
+        return rule.footprint(*rule.tiles(B, d), d, dv, itemsize) <= sram_bytes
 
     if not fits(1):
-        need = sram_footprint(algorithm, 1, 1, d, dv, itemsize)
+        need = rule.footprint(1, 1, d, dv, itemsize)
         raise SRAMOverflowError(
             f"{algorithm} needs at least {need} bytes of SRAM for 1×1 tiles at d={d}, "
             f"dv={dv}, {itemsize}-byte elements; got sram_bytes={sram_bytes}. "
@@ -194,7 +236,7 @@ def derive_block_sizes(algorithm: str, sram_bytes: int, d: int, dv: int,
             lo = mid
         else:
             hi = mid - 1
-    return _tiles_from_outer(algorithm, lo, d)
+    return rule.tiles(lo, d)
 
 
 def parse_size(text) -> int:
@@ -230,7 +272,7 @@ def resolve_block_sizes(algorithm: str, *, sram_bytes, block_sizes, d: int, dv: 
             raise TypeError(f"block_sizes must be a pair (Br, Bc), got {block_sizes!r}") from None
         Br = check_size("Br (block_sizes[0])", Br, 1)
         Bc = check_size("Bc (block_sizes[1])", Bc, 1)
-    if algorithm == "standard":
+    if algorithm not in BLOCK_RULES:   # standard attention: counts do not depend on tiling
         return (Br, Bc) if block_sizes is not None else None
     if (sram_bytes is None) == (block_sizes is None):
         raise ValueError(
