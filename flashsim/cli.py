@@ -20,7 +20,9 @@ import numpy as np
 
 from . import theory
 from .count import count
-from .problem import ALGORITHMS, itemsize_of, make_shape
+from .problem import itemsize_of, make_shape
+
+CORE_ALGORITHMS = ("standard", "flash1", "flash2")
 from .reference import attention_reference
 from .simulate import simulate
 from .tiling import Tiles, band_for, cdiv, parse_size, resolve_block_sizes, sram_footprint
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one algorithm tile by tile on random inputs (or, with --no-math, "
                     "count the bytes only) and report the HBM traffic per tensor, the "
                     "tiling, the SRAM use and the closed-form check.")
-    s.add_argument("--algorithm", "-a", choices=ALGORITHMS, default="flash2",
+    s.add_argument("--algorithm", "-a", choices=CORE_ALGORITHMS, default="flash2",
                    help="which schedule to run (default: flash2)")
     s.add_argument("--seq", "-N", type=int, default=4096, metavar="N",
                    help="query sequence length Nq (default: 4096)")
@@ -159,7 +161,7 @@ def run_default() -> int:
     q, k, v = (rng.standard_normal((N, d)).astype(np.float16) for _ in range(3))
     ref, _ = attention_reference(q, k, v)
 
-    results = {a: simulate(q, k, v, a, sram_bytes=sram) for a in ALGORITHMS}
+    results = {a: simulate(q, k, v, a, sram_bytes=sram) for a in CORE_ALGORITHMS}
     std = results["standard"].traffic.total_bytes
 
     print("flashsim: standard attention vs FlashAttention-1 vs FlashAttention-2")
@@ -181,7 +183,7 @@ def run_default() -> int:
     print("  standard: no tiling (whole-matrix passes through HBM)")
     print()
     print("HBM traffic, total (reads + writes)")
-    w = max(len(a) for a in ALGORITHMS)
+    w = max(len(a) for a in CORE_ALGORITHMS)
     print(f"  {'':<{w}}  {'total':>10}  {'bytes':>12}    standard / algorithm")
     for a, r in results.items():
         t = r.traffic.total_bytes
@@ -405,7 +407,7 @@ def run_sweep(args) -> int:
     minimum = {}
     for n, M in enumerate(sizes, 1):
         totals, blocks = {}, {}
-        for a in ALGORITHMS:
+        for a in CORE_ALGORITHMS:
             try:
                 blocks[a] = resolve_block_sizes(a, sram_bytes=M, block_sizes=None, d=d, dv=d,
                                                 itemsize=b)
@@ -428,7 +430,7 @@ def run_sweep(args) -> int:
     header = ["SRAM M", "standard", "flash1", "flash2", "flash1 Br×Bc", "flash2 Br×Bc"]
     table = [header]
     for M, totals, blocks in rows:
-        table.append([human_size(M)] + [human_bytes(totals[a]) for a in ALGORITHMS]
+        table.append([human_size(M)] + [human_bytes(totals[a]) for a in CORE_ALGORITHMS]
                      + [f"{blocks[a][0]}×{blocks[a][1]}" if blocks[a] else "-"
                         for a in ("flash1", "flash2")])
     widths = [max(len(r[c]) for r in table) for c in range(len(header))]
@@ -446,7 +448,7 @@ def run_sweep(args) -> int:
             wr.writerow(["sram_bytes", "standard_bytes", "flash1_bytes", "flash2_bytes",
                          "flash1_Br", "flash1_Bc", "flash2_Br", "flash2_Bc"])
             for M, totals, blocks in rows:
-                wr.writerow([M] + ["" if totals[a] is None else totals[a] for a in ALGORITHMS]
+                wr.writerow([M] + ["" if totals[a] is None else totals[a] for a in CORE_ALGORITHMS]
                             + [("" if blocks[a] is None else blocks[a][i])
                                for a in ("flash1", "flash2") for i in (0, 1)])
         print(f"wrote {args.csv}")
@@ -476,7 +478,7 @@ def _plot(plt, rows, args) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {"standard": ("standard attention", "o-"), "flash1": ("FlashAttention-1", "s-"),
               "flash2": ("FlashAttention-2", "^-")}
-    for a in ALGORITHMS:
+    for a in CORE_ALGORITHMS:
         xs = [M for M, totals, _ in rows if totals[a] is not None]
         ys = [totals[a] for _, totals, _ in rows if totals[a] is not None]
         if xs:

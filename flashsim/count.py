@@ -73,4 +73,8 @@ def _count_flash1(shape, tiles: Tiles, b) -> Traffic:
                 "m": (Nq + rows) * STAT_BYTES})
 
 
-COUNTS = {"flash1": _count_flash1, "flash2": _count_flash2}
+from .splitkv import count_splitkv  # noqa: E402
+from .square import count_square  # noqa: E402
+
+COUNTS = {"flash1": _count_flash1, "flash2": _count_flash2, "splitkv": count_splitkv,
+          "square": count_square}

@@ -211,6 +211,9 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
     return O, L
 
 
-FORWARD = {"flash1": _flash1, "flash2": _flash2}
+from .splitkv import run_splitkv  # noqa: E402  (they build on the helpers above)
+from .square import run_square  # noqa: E402
+
+FORWARD = {"flash1": _flash1, "flash2": _flash2, "splitkv": run_splitkv, "square": run_square}
 
 __all__ = ["simulate", "Result", "ALGORITHMS"]

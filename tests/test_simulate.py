@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 import flashsim as fs
 from flashsim.strategies import attention_problems
 
+# the three schedules of the FlashAttention papers; splitkv and square have their own tests
+CORE = ("standard", "flash1", "flash2")
+
 RTOL = 1e-10
 
 
@@ -23,7 +26,7 @@ def assert_matches_reference(r, ref_out, ref_lse, v):
                                atol=RTOL * max(1.0, float(np.abs(ref_lse[fin]).max(initial=0))))
 
 
-@given(attention_problems(allow_empty=True), st.sampled_from(fs.ALGORITHMS))
+@given(attention_problems(allow_empty=True), st.sampled_from(CORE))
 def test_every_algorithm_equals_dense_float64(p, algorithm):
     ref_out, ref_lse = fs.attention_reference(p.q, p.k, p.v, causal=p.causal)
     blocks = None if algorithm == "standard" else p.block_sizes
@@ -45,7 +48,7 @@ def _scipy_reference(q, k, v, causal):
 
 
 @settings(max_examples=40)
-@given(attention_problems(max_seq=90, max_dim=24), st.sampled_from(fs.ALGORITHMS))
+@given(attention_problems(max_seq=90, max_dim=24), st.sampled_from(CORE))
 def test_reference_agrees_with_scipy(p, algorithm):
     # Rows that see no key are excluded here: scipy returns NaN for them by design.
     q, k, v = (x.reshape((-1,) + x.shape[-2:]) for x in (p.q, p.k, p.v))
@@ -80,7 +83,7 @@ def test_seed_worked_example():
         assert r.lse[0] == pytest.approx(np.log(np.exp(s).sum()), rel=1e-14)
 
 
-@pytest.mark.parametrize("algorithm", fs.ALGORITHMS)
+@pytest.mark.parametrize("algorithm", CORE)
 def test_huge_logits_stay_finite(algorithm):
     rng = np.random.default_rng(1)
     q = rng.standard_normal((37, 16)) * 300   # logits of order 1e4-1e5
