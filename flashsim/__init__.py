@@ -14,15 +14,17 @@ per tensor, and computes the real result so the math is checked too.
 """
 
 from . import theory
+from .backward import Gradients, count_backward, simulate_backward
 from .count import count
 from .errors import SRAMOverflowError
 from .problem import ALGORITHMS
-from .reference import attention_reference
+from .reference import attention_backward_reference, attention_reference
 from .simulate import Result, simulate
 from .softmax import softmax
 from .traffic import Traffic, format_table
 
 __version__ = "0.1.0"
 
-__all__ = ["simulate", "count", "Traffic", "Result", "SRAMOverflowError", "theory",
-           "softmax", "attention_reference", "format_table", "ALGORITHMS"]
+__all__ = ["simulate", "count", "simulate_backward", "count_backward", "Traffic", "Result",
+           "Gradients", "SRAMOverflowError", "theory", "softmax", "attention_reference",
+           "attention_backward_reference", "format_table", "ALGORITHMS"]

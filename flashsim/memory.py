@@ -52,7 +52,9 @@ class Machine:
         self._reads: dict[str, int] = defaultdict(int)
         self._writes: dict[str, int] = defaultdict(int)
 
-    def _elem(self, stat: bool) -> int:
+    def _elem(self, stat: bool, elem: int | None = None) -> int:
+        if elem is not None:
+            return elem
         return STAT_BYTES if stat else self.itemsize
 
     @staticmethod
@@ -61,18 +63,20 @@ class Machine:
 
     # HBM → SRAM
     def load(self, tensor: str, src: np.ndarray, r0: int, r1: int, *,
-             slot: str | None = None, stat: bool = False) -> np.ndarray:
-        """Copy rows r0:r1 of ``src`` into SRAM slot ``slot`` (default: the tensor name)."""
-        n = self._extent(src, r0, r1, stat) * self._elem(stat)
+             slot: str | None = None, stat: bool = False, elem: int | None = None) -> np.ndarray:
+        """Copy rows r0:r1 of ``src`` into SRAM slot ``slot`` (default: the tensor name).
+        ``stat`` marks a row statistic (one fp32 per row); ``elem`` overrides the bytes
+        per element (e.g. 4 for an fp32 accumulator of an fp16 run)."""
+        n = self._extent(src, r0, r1, stat) * self._elem(stat, elem)
         self._reads[tensor] += n * self.problems
         self.sram.alloc(slot or tensor, n)
         return np.array(src[..., r0:r1] if stat else src[..., r0:r1, :])
 
     # SRAM → HBM
     def store(self, tensor: str, dst: np.ndarray, r0: int, r1: int, tile, *,
-              stat: bool = False) -> None:
+              stat: bool = False, elem: int | None = None) -> None:
         """Write ``tile`` (already in SRAM) to rows r0:r1 of ``dst``."""
-        n = self._extent(dst, r0, r1, stat) * self._elem(stat)
+        n = self._extent(dst, r0, r1, stat) * self._elem(stat, elem)
         self._writes[tensor] += n * self.problems
         if stat:
             dst[..., r0:r1] = tile
@@ -80,8 +84,9 @@ class Machine:
             dst[..., r0:r1, :] = tile
 
     # on-chip scratch (no HBM traffic)
-    def scratch(self, slot: str, rows: int, cols: int = 1, *, stat: bool = False) -> None:
-        self.sram.alloc(slot, rows * cols * self._elem(stat))
+    def scratch(self, slot: str, rows: int, cols: int = 1, *, stat: bool = False,
+                elem: int | None = None) -> None:
+        self.sram.alloc(slot, rows * cols * self._elem(stat, elem))
 
     def free(self, *slots: str) -> None:
         self.sram.free(*slots)

@@ -33,3 +33,35 @@ def attention_reference(q, k, v, *, causal: bool = False, scale=None, window=Non
                     (shape.Nq, shape.dv)),
             restore(np.ascontiguousarray(np.broadcast_to(lse, full + lse.shape[-1:])), shape,
                     (shape.Nq,)))
+
+
+def attention_backward_reference(q, k, v, dout, *, causal: bool = False, scale=None,
+                                 window=None, softcap=None, alibi_slopes=None):
+    """(dq, dk, dv) in float64 by dense autodiff-by-hand of `attention_reference`:
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(P ∘ dP)) (∘ (1 − tanh²) under a
+    softcap), dQ = scale·dS K, dK = scale·dSᵀ Q; GQA groups and broadcast axes summed."""
+    from .backward import sum_to
+    q, k, v, shape = check_arrays(q, k, v)
+    scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
+                         alibi_slopes)
+    Q, K, V = canonical(q, k, v, shape)
+    dO = np.asarray(dout, dtype=np.float64)
+    if dO.shape != shape.batch_shape + (shape.Nq, shape.dv):
+        raise ValueError(f"dout has shape {dO.shape}, expected "
+                         f"{shape.batch_shape + (shape.Nq, shape.dv)}")
+    from .problem import canon_batch
+    dO = dO.reshape(canon_batch(shape) + (shape.Nq, shape.dv))
+    S, T = scores.full(Q, K, shape.Nq, shape.Nk)
+    m = S.max(axis=-1, initial=-np.inf)
+    seen = np.isfinite(m)
+    E = np.exp(S - np.where(seen, m, 0.0)[..., None])
+    P = E / np.where(seen, E.sum(axis=-1), 1.0)[..., None]
+    dV = np.swapaxes(P, -1, -2) @ dO
+    dP = dO @ np.swapaxes(V, -1, -2)
+    dS = P * (dP - (P * dP).sum(axis=-1, keepdims=True))
+    if T is not None:
+        dS = dS * (1.0 - T * T)
+    dQ = scores.scale * (dS @ K)
+    dK = scores.scale * (np.swapaxes(dS, -1, -2) @ Q)
+    return (sum_to(dQ, Q.shape).reshape(q.shape), sum_to(dK, K.shape).reshape(k.shape),
+            sum_to(dV, V.shape).reshape(v.shape))

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 # Canonical tensor order for tables: inputs, intermediates, output, row statistics.
-TENSOR_ORDER = ("Q", "K", "V", "S", "P", "O", "m", "l", "L")
+TENSOR_ORDER = ("Q", "K", "V", "S", "P", "Osplit", "O", "m", "l", "Lsplit", "L",
+                "dO", "D", "dP", "dS", "dQacc", "dQ", "dK", "dV")
 
 
 def _order_key(name: str) -> tuple[int, str]:

@@ -94,6 +94,13 @@ class Scores:
     softcap: float | None = None
     slopes: np.ndarray | None = None
 
+    def bias(self, rows: np.ndarray, cols: np.ndarray, off: int):
+        """The ALiBi term −slope·|r + off − c| (0 without slopes)."""
+        if self.slopes is None:
+            return 0.0
+        dist = np.abs(rows[:, None] + off - cols[None, :]).astype(np.float64)
+        return -self.slopes[..., None, None] * dist
+
     def raw(self, Qi, Kj) -> np.ndarray:
         return self.scale * (Qi @ np.swapaxes(Kj, -1, -2))
 
@@ -107,8 +114,7 @@ class Scores:
             T = np.tanh(S_raw / self.softcap)
             S = self.softcap * T
         if self.slopes is not None:
-            dist = np.abs(rows[:, None] + off - cols[None, :]).astype(np.float64)
-            S = S - self.slopes[..., None, None] * dist
+            S = S + self.bias(rows, cols, off)
         if mask is not None:
             S = np.where(mask, S, NEG_INF)
         return S, T
