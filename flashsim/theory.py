@@ -56,7 +56,7 @@ def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
                               itemsize=itemsize, problems=problems, num_splits=num_splits)
     if algorithm == "square":
         from .square import theory_square
-        return theory_square(Nq=Nq, Nk=Nk, d=d, dv=dv, B=Br, causal=causal,
+        return theory_square(Nq=Nq, Nk=Nk, d=d, dv=dv, B=Br, left=left, right=right,
                              itemsize=itemsize, problems=problems)
     if algorithm == "flash2":
         q_rows, keys = _q_outer(Nq, Nk, Br, Bc, left, right)

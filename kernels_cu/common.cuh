@@ -1,0 +1,94 @@
+// Shared helpers of the flashsim CUDA kernels: element types, conversions, the band mask,
+// and the I/O counters of the instrumented build.
+//
+// Numerics mirror the simulator's precision="kernel" mode: inputs in the I/O type T,
+// arithmetic in Acc (float, or double for double inputs), P and dS rounded to T before
+// they meet V, dO, K or Q, and row statistics (L, D) and the dQ accumulator in fp32.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename A> __device__ __forceinline__ A to_acc(float x) { return (A)x; }
+template <typename A> __device__ __forceinline__ A to_acc(double x) { return (A)x; }
+template <typename A> __device__ __forceinline__ A to_acc(__half x) { return (A)__half2float(x); }
+template <typename A> __device__ __forceinline__ A to_acc(__nv_bfloat16 x) {
+    return (A)__bfloat162float(x);
+}
+
+template <typename T> __device__ __forceinline__ T from_acc(float x) { return (T)x; }
+template <typename T> __device__ __forceinline__ T from_acc(double x) { return (T)x; }
+template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Round an Acc value to the I/O type and back: what a tensor-core kernel does to P and dS
+// before its second matrix product.
+template <typename T, typename A> __device__ __forceinline__ A round_io(A x) {
+    return to_acc<A>(from_acc<T>(x));
+}
+
+template <typename A> __device__ __forceinline__ A neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+    return -__longlong_as_double(0x7ff0000000000000LL);
+}
+template <typename A> __device__ __forceinline__ bool is_neg_inf(A x) { return x == neg_inf<A>(); }
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// -- the band mask --------------------------------------------------------------------
+// Query row r sees key c iff r + off − left <= c <= r + off + right, off = Nk − Nq;
+// left/right < 0 mean unbounded. Causal is (−1, 0), aligned to the bottom-right corner.
+struct Band {
+    int left, right, off;
+    __device__ __forceinline__ bool sees(int r, int c) const {
+        return (left < 0 || c >= r + off - left) && (right < 0 || c <= r + off + right);
+    }
+    // K/V tiles [*jlo, *jhi] visited by the Q tile holding rows i0..i1-1 (empty: jhi < jlo).
+    // Rows i0..i1-1 see one interval of keys, so the visited tiles are contiguous.
+    __device__ void kv_range(int i0, int i1, int Nk, int Bc, int* jlo, int* jhi) const {
+        int c_lo = left < 0 ? 0 : max(0, i0 + off - left);
+        int c_hi = right < 0 ? Nk - 1 : min(Nk - 1, i1 - 1 + off + right);
+        if (c_lo > c_hi) { *jlo = 0; *jhi = -1; return; }
+        *jlo = c_lo / Bc;
+        *jhi = c_hi / Bc;
+    }
+    // Q tiles [*ilo, *ihi] visited by the K/V tile holding keys j0..j1-1: key c is seen by
+    // rows c − off − right .. c − off + left.
+    __device__ void q_range(int j0, int j1, int Nq, int Br, int* ilo, int* ihi) const {
+        int r_lo = right < 0 ? 0 : max(0, j0 - off - right);
+        int r_hi = left < 0 ? Nq - 1 : min(Nq - 1, j1 - 1 - off + left);
+        if (r_lo > r_hi) { *ilo = 0; *ihi = -1; return; }
+        *ilo = r_lo / Br;
+        *ihi = r_hi / Br;
+    }
+};
+
+// -- I/O counters (instrumented build only) --------------------------------------------
+// One counter per (tensor, direction). flashsim/gpu.py reads this enum to name them, so
+// keep the IO_<tensor>_<R|W> spelling.
+enum IoCounter {
+    IO_Q_R, IO_K_R, IO_V_R, IO_O_R, IO_O_W, IO_L_R, IO_L_W,
+    IO_dO_R, IO_D_R, IO_D_W, IO_dQacc_R, IO_dQacc_W, IO_dQ_W, IO_dK_W, IO_dV_W,
+    IO_NUM_COUNTERS
+};
+
+// Each CTA adds the bytes of every tile it moves between global memory and shared
+// memory or registers; one thread per CTA does the add so it is counted once.
+#ifdef FLASHSIM_COUNT_IO
+#define COUNT_IO(io, which, bytes)                                                     \
+    do {                                                                               \
+        if (threadIdx.x == 0)                                                          \
+            atomicAdd(&(io)[which], (unsigned long long)(bytes));                      \
+    } while (0)
+#else
+#define COUNT_IO(io, which, bytes) do { (void)(io); } while (0)
+#endif

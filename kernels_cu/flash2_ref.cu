@@ -1,0 +1,254 @@
+// flash2_ref.cu: the readable reference rung. FlashAttention-2's schedule, SIMT, shared-
+// memory tiles, exactly the simulator's loop order, tiles, skipping and statistics, so
+// that an instrumented build counts the same HBM bytes as flashsim.simulate.
+//
+// Kernels in this file, each a rung over the last:
+//   flash2_fwd<T>           forward. Grid (Tr, problems): one CTA per Q tile i reads Q_i
+//                           once, streams the visited K_j, V_j, keeps m, ℓ and the
+//                           unnormalised O_i on chip and writes O_i and L_i once.
+//   flash2_bwd_preprocess<T> backward pre-pass. Grid (Tr, problems): D_i = rowsum(dO_i ∘
+//                           O_i) in fp32, and the fp32 dQ accumulator zeroed.
+//   flash2_bwd_main<T>      backward main loop. Grid (Tc, problems): one CTA per K/V tile
+//                           j keeps K_j, V_j, dK_j, dV_j on chip, streams the visited Q_i,
+//                           dO_i, L_i, D_i, recomputes P = exp(S − L) and adds its share
+//                           of dQ_i to the accumulator with fp32 atomics.
+//   flash2_bwd_postprocess<T> backward post-pass: dQ = dQacc in the I/O type.
+// T ∈ {__half, __nv_bfloat16, float, double}; arithmetic in AccOf<T> (float; double for
+// double). Layout: Q, O (problems, Nq, d|dv); K, V (kv problems, Nk, d|dv) with
+// kv_index[p] naming the K/V problem of query problem p (GQA groups, broadcast batch).
+// Every HBM↔SRAM move is tagged like the simulator's, e.g. "HBM→SRAM: K_j (Bc·d)".
+//
+// Build: compiled at run time by flashsim.gpu through CuPy (RawModule, name_expressions
+// flash2_fwd<__half> …), or ahead of time with `flashsim kernels build --arch sm_90`.
+// -DFLASHSIM_COUNT_IO gives the instrumented build.
+
+#include "common.cuh"
+
+template <typename T>
+__global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
+                           const T* __restrict__ V, const int* __restrict__ kv_index,
+                           T* __restrict__ O, float* __restrict__ L,
+                           int Nq, int Nk, int d, int dv, int Br, int Bc, int left, int right,
+                           typename AccOf<T>::type scale, unsigned long long* io) {
+    using A = typename AccOf<T>::type;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* sQ = reinterpret_cast<A*>(smem_raw);   // Br·d
+    A* sK = sQ + Br * d;                      // Bc·d
+    A* sV = sK + Bc * d;                      // Bc·dv
+    A* sS = sV + Bc * dv;                     // Br·Bc: S_ij, then P_ij in place
+    A* sO = sS + Br * Bc;                     // Br·dv, unnormalised until the end
+    A* sm = sO + Br * dv;                     // Br: running max m_i
+    A* sl = sm + Br;                          // Br: running sum ℓ_i
+    A* sa = sl + Br;                          // Br: rescale e^{m_old − m_new}
+
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int i = blockIdx.x, p = blockIdx.y;
+    const int i0 = i * Br, rows = min(Br, Nq - i0);
+    const long long q_row = (long long)p * Nq + i0;
+    const T* Qi = Q + q_row * d;
+    T* Oi = O + q_row * dv;
+    float* Li = L + q_row;
+    const long long kv = kv_index[p];
+    const T* Kp = K + kv * Nk * d;
+    const T* Vp = V + kv * Nk * dv;
+    const Band band{left, right, Nk - Nq};
+    int jlo, jhi;
+    band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+
+    if (jhi < jlo) {  // no row of this tile sees a key: O_i = 0, L_i = −∞, nothing read
+        for (int x = tid; x < rows * dv; x += nt) Oi[x] = from_acc<T>(A(0));
+        for (int r = tid; r < rows; r += nt) Li[r] = neg_inf<float>();
+        COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));   // SRAM→HBM: O_i (Br·dv)
+        COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+        return;
+    }
+    for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Qi[x]);
+    COUNT_IO(io, IO_Q_R, (long long)rows * d * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    for (int x = tid; x < rows * dv; x += nt) sO[x] = A(0);
+    for (int r = tid; r < rows; r += nt) { sm[r] = neg_inf<A>(); sl[r] = A(0); }
+
+    for (int j = jlo; j <= jhi; ++j) {
+        const int j0 = j * Bc, cols = min(Bc, Nk - j0);
+        __syncthreads();  // the last step is done with sK, sV, sS
+        for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kp[(long long)j0 * d + x]);
+        for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vp[(long long)j0 * dv + x]);
+        COUNT_IO(io, IO_K_R, (long long)cols * d * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+        COUNT_IO(io, IO_V_R, (long long)cols * dv * sizeof(T));   // HBM→SRAM: V_j (Bc·dv)
+        __syncthreads();
+
+        for (int x = tid; x < rows * cols; x += nt) {             // S_ij = scale · Q_i K_jᵀ
+            const int r = x / cols, c = x % cols;
+            A s = A(0);
+            for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
+            sS[r * Bc + c] = band.sees(i0 + r, j0 + c) ? s * scale : neg_inf<A>();
+        }
+        __syncthreads();
+
+        for (int r = tid; r < rows; r += nt) {                    // online softmax, per row
+            const A m_old = sm[r];
+            A m_new = m_old;
+            for (int c = 0; c < cols; ++c) m_new = sS[r * Bc + c] > m_new ? sS[r * Bc + c] : m_new;
+            // a row with no visible key so far keeps m = −∞; subtracting 0 then gives
+            // exp(−∞) = 0 where exp(−∞ − (−∞)) would be NaN
+            const A m_safe = is_neg_inf(m_new) ? A(0) : m_new;
+            A rowsum = A(0);
+            for (int c = 0; c < cols; ++c) {
+                const A pr = exp_acc(sS[r * Bc + c] - m_safe);
+                rowsum += pr;
+                sS[r * Bc + c] = round_io<T>(pr);                 // P meets V in the I/O type
+            }
+            const A alpha = exp_acc(m_old - m_safe);
+            sa[r] = alpha;
+            sl[r] = alpha * sl[r] + rowsum;
+            sm[r] = m_new;
+        }
+        __syncthreads();
+
+        for (int x = tid; x < rows * dv; x += nt) {               // O_i = diag(α) O_i + P V_j
+            const int r = x / dv, k = x % dv;
+            A acc = A(0);
+            for (int c = 0; c < cols; ++c) acc += sS[r * Bc + c] * sV[c * dv + k];
+            sO[x] = sa[r] * sO[x] + acc;
+        }
+    }
+    __syncthreads();
+    for (int x = tid; x < rows * dv; x += nt) {                   // diag(ℓ)^−1 O_i, once
+        const A l = sl[x / dv];
+        Oi[x] = from_acc<T>(l > A(0) ? sO[x] / l : A(0));
+    }
+    for (int r = tid; r < rows; r += nt)
+        Li[r] = sl[r] > A(0) ? (float)(sm[r] + log_acc(sl[r])) : neg_inf<float>();
+    COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));       // SRAM→HBM: O_i (Br·dv)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+}
+
+template <typename T>
+__global__ void flash2_bwd_preprocess(const T* __restrict__ O, const T* __restrict__ dO,
+                                      float* __restrict__ D, float* __restrict__ dQacc,
+                                      int Nq, int d, int dv, int Br, unsigned long long* io) {
+    using A = typename AccOf<T>::type;
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
+    const long long row = (long long)blockIdx.y * Nq + i0;
+    for (int r = tid; r < rows; r += nt) {                        // D_i = rowsum(dO_i ∘ O_i)
+        A acc = A(0);
+        for (int k = 0; k < dv; ++k)
+            acc += to_acc<A>(dO[(row + r) * dv + k]) * to_acc<A>(O[(row + r) * dv + k]);
+        D[row + r] = (float)acc;
+    }
+    for (long long x = tid; x < (long long)rows * d; x += nt) dQacc[row * d + x] = 0.0f;
+    COUNT_IO(io, IO_O_R, (long long)rows * dv * sizeof(T));       // HBM→SRAM: O_i (Br·dv)
+    COUNT_IO(io, IO_dO_R, (long long)rows * dv * sizeof(T));      // HBM→SRAM: dO_i (Br·dv)
+    COUNT_IO(io, IO_D_W, (long long)rows * 4);                    // SRAM→HBM: D_i (Br)
+    COUNT_IO(io, IO_dQacc_W, (long long)rows * d * 4);            // SRAM→HBM: dQacc_i = 0 (Br·d fp32)
+}
+
+template <typename T>
+__global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K,
+                                const T* __restrict__ V, const int* __restrict__ kv_index,
+                                const T* __restrict__ dO, const float* __restrict__ L,
+                                const float* __restrict__ D, float* __restrict__ dQacc,
+                                T* __restrict__ dK, T* __restrict__ dV,
+                                int Nq, int Nk, int d, int dv, int Br, int Bc, int left,
+                                int right, typename AccOf<T>::type scale,
+                                unsigned long long* io) {
+    using A = typename AccOf<T>::type;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* sK = reinterpret_cast<A*>(smem_raw);   // Bc·d
+    A* sV = sK + Bc * d;                      // Bc·dv
+    A* sdK = sV + Bc * dv;                    // Bc·d
+    A* sdV = sdK + Bc * d;                    // Bc·dv
+    A* sQ = sdV + Bc * dv;                    // Br·d
+    A* sdO = sQ + Br * d;                     // Br·dv
+    A* sP = sdO + Br * dv;                    // Br·Bc
+    A* sdS = sP + Br * Bc;                    // Br·Bc: dP, then dS in place
+    A* sL = sdS + Br * Bc;                    // Br
+    A* sD = sL + Br;                          // Br
+
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int j = blockIdx.x, p = blockIdx.y;
+    const int j0 = j * Bc, cols = min(Bc, Nk - j0);
+    const long long kv = kv_index[p];
+    const T* Kj = K + (kv * Nk + j0) * d;
+    const T* Vj = V + (kv * Nk + j0) * dv;
+    T* dKj = dK + ((long long)p * Nk + j0) * d;    // per query problem; GQA sums later
+    T* dVj = dV + ((long long)p * Nk + j0) * dv;
+    const Band band{left, right, Nk - Nq};
+    int ilo, ihi;
+    band.q_range(j0, j0 + cols, Nq, Br, &ilo, &ihi);
+
+    for (int x = tid; x < cols * d; x += nt) sdK[x] = A(0);
+    for (int x = tid; x < cols * dv; x += nt) sdV[x] = A(0);
+    if (ihi >= ilo) {
+        for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kj[x]);
+        for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vj[x]);
+        COUNT_IO(io, IO_K_R, (long long)cols * d * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+        COUNT_IO(io, IO_V_R, (long long)cols * dv * sizeof(T));   // HBM→SRAM: V_j (Bc·dv)
+    }
+    for (int i = ilo; i <= ihi; ++i) {
+        const int i0 = i * Br, rows = min(Br, Nq - i0);
+        const long long q_row = (long long)p * Nq + i0;
+        __syncthreads();  // the last step is done with sQ, sdO, sP, sdS
+        for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Q[q_row * d + x]);
+        for (int x = tid; x < rows * dv; x += nt) sdO[x] = to_acc<A>(dO[q_row * dv + x]);
+        for (int r = tid; r < rows; r += nt) { sL[r] = (A)L[q_row + r]; sD[r] = (A)D[q_row + r]; }
+        COUNT_IO(io, IO_Q_R, (long long)rows * d * sizeof(T));    // HBM→SRAM: Q_i (Br·d)
+        COUNT_IO(io, IO_dO_R, (long long)rows * dv * sizeof(T));  // HBM→SRAM: dO_i (Br·dv)
+        COUNT_IO(io, IO_L_R, (long long)rows * 4);                // HBM→SRAM: L_i (Br)
+        COUNT_IO(io, IO_D_R, (long long)rows * 4);                // HBM→SRAM: D_i (Br)
+        __syncthreads();
+
+        for (int x = tid; x < rows * cols; x += nt) {             // P = exp(scale·Q Kᵀ − L)
+            const int r = x / cols, c = x % cols;
+            A s = A(0);
+            for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
+            const bool live = band.sees(i0 + r, j0 + c) && !is_neg_inf(sL[r]);
+            sP[r * Bc + c] = live ? exp_acc(s * scale - sL[r]) : A(0);
+        }
+        __syncthreads();
+        for (int x = tid; x < rows * cols; x += nt) {             // dS = P ∘ (dO Vᵀ − D)
+            const int r = x / cols, c = x % cols;
+            A dp = A(0);
+            for (int k = 0; k < dv; ++k) dp += sdO[r * dv + k] * sV[c * dv + k];
+            sdS[r * Bc + c] = round_io<T>(sP[r * Bc + c] * (dp - sD[r]));
+        }
+        __syncthreads();
+        for (int x = tid; x < cols * dv; x += nt) {               // dV_j += Pᵀ dO_i
+            const int c = x / dv, k = x % dv;
+            A acc = A(0);
+            for (int r = 0; r < rows; ++r) acc += round_io<T>(sP[r * Bc + c]) * sdO[r * dv + k];
+            sdV[x] += acc;
+        }
+        for (int x = tid; x < cols * d; x += nt) {                // dK_j += scale · dSᵀ Q_i
+            const int c = x / d, k = x % d;
+            A acc = A(0);
+            for (int r = 0; r < rows; ++r) acc += sdS[r * Bc + c] * sQ[r * d + k];
+            sdK[x] += scale * acc;
+        }
+        for (int x = tid; x < rows * d; x += nt) {                // dQacc_i += scale · dS K_j
+            const int r = x / d, k = x % d;
+            A acc = A(0);
+            for (int c = 0; c < cols; ++c) acc += sdS[r * Bc + c] * sK[c * d + k];
+            atomicAdd(&dQacc[q_row * d + x], (float)(scale * acc));
+        }
+        COUNT_IO(io, IO_dQacc_R, (long long)rows * d * 4);        // HBM→SRAM: dQacc_i (Br·d fp32)
+        COUNT_IO(io, IO_dQacc_W, (long long)rows * d * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
+    }
+    __syncthreads();
+    for (int x = tid; x < cols * d; x += nt) dKj[x] = from_acc<T>(sdK[x]);
+    for (int x = tid; x < cols * dv; x += nt) dVj[x] = from_acc<T>(sdV[x]);
+    COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));      // SRAM→HBM: dV_j (Bc·dv)
+}
+
+template <typename T>
+__global__ void flash2_bwd_postprocess(const float* __restrict__ dQacc, T* __restrict__ dQ,
+                                       int Nq, int d, int Br, unsigned long long* io) {
+    using A = typename AccOf<T>::type;
+    const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
+    const long long row = (long long)blockIdx.y * Nq + i0;
+    for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x)
+        dQ[row * d + x] = from_acc<T>((A)dQacc[row * d + x]);
+    COUNT_IO(io, IO_dQacc_R, (long long)rows * d * 4);            // HBM→SRAM: dQacc_i (Br·d fp32)
+    COUNT_IO(io, IO_dQ_W, (long long)rows * d * sizeof(T));       // SRAM→HBM: dQ_i (Br·d)
+}
