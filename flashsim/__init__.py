@@ -22,9 +22,11 @@ from .reference import attention_backward_reference, attention_reference
 from .simulate import Result, simulate
 from .softmax import softmax
 from .traffic import Traffic, format_table
+from .varlen import VarlenResult, count_varlen, simulate_varlen
 
 __version__ = "0.1.0"
 
 __all__ = ["simulate", "count", "simulate_backward", "count_backward", "Traffic", "Result",
            "Gradients", "SRAMOverflowError", "theory", "softmax", "attention_reference",
-           "attention_backward_reference", "format_table", "ALGORITHMS"]
+           "attention_backward_reference", "format_table", "ALGORITHMS", "simulate_varlen",
+           "count_varlen", "VarlenResult"]

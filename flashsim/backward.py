@@ -38,6 +38,7 @@ from .problem import (STAT_BYTES, Shape, canon_batch, canonical, check_algorithm
                       check_scale, itemsize_of, make_shape)
 from .tiling import Tiles, parse_size, resolve_block_sizes
 from .traffic import Traffic
+from .precision import EXACT, Precision, make_precision
 from .variants import Scores, make_band, make_scores
 
 NEG_INF = -np.inf
@@ -82,13 +83,15 @@ def _check_saved(name: str, x, want: tuple, *, allow_neg_inf: bool = False) -> n
 
 def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sram_bytes=None,
                       block_sizes=None, causal: bool = False, scale=None, io_dtype=None,
-                      window=None, softcap=None, alibi_slopes=None) -> Gradients:
+                      window=None, softcap=None, alibi_slopes=None,
+                      precision: str = "float64") -> Gradients:
     """Gradients of attention with respect to q, k, v for upstream gradient ``dout``,
     run tile by tile with ``algorithm`` ∈ {"standard", "flash1", "flash2"}.
 
     ``out`` (..., Nq, dv) and ``lse`` (..., Nq) are the forward's results (for example
     from `simulate`); block sizes come from ``sram_bytes`` by the paper's rule for a
     K/V-outer loop (Bc = ⌈M/4d⌉, Br = min(Bc, d), shrunk to fit), or ``block_sizes``.
+    ``precision="kernel"`` (flash2 only) reproduces the GPU kernels' rounding.
     """
     algorithm = _check_backward_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
@@ -103,11 +106,20 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
     blocks = resolve_block_sizes(rule or "standard", sram_bytes=sram_bytes,
                                  block_sizes=block_sizes, d=shape.d, dv=shape.dv,
                                  itemsize=itemsize)
-    Q, K, V = canonical(q, k, v, shape)
+    prec = make_precision(precision, q.dtype if io_dtype is None else io_dtype)
+    if not prec.exact and algorithm != "flash2":
+        raise ValueError("precision='kernel' models the GPU kernels, which run flash2; "
+                         f"use algorithm='flash2' (got {algorithm!r})")
     cb = canon_batch(shape)
-    O = np.asarray(out, np.float64).reshape(cb + (shape.Nq, shape.dv))
-    dO = np.asarray(dout, np.float64).reshape(cb + (shape.Nq, shape.dv))
-    L = np.asarray(lse, np.float64).reshape(cb + (shape.Nq,))
+
+    def load(x, trailing, stat=False):
+        x = np.asarray(x, np.float64).reshape(cb + trailing) if trailing else x
+        return prec.cast(prec.stat_round(x) if stat else prec.io_round(x))
+
+    Q, K, V = (load(x, None) for x in canonical(q, k, v, shape))
+    O = load(out, (shape.Nq, shape.dv))
+    dO = load(dout, (shape.Nq, shape.dv))
+    L = load(lse, (shape.Nq,), stat=True)
     if algorithm == "standard":
         mc = Machine(shape.problems, itemsize)
         dQ, dK, dV = _standard_bwd(mc, Q, K, V, dO, L, shape, scores)
@@ -116,12 +128,17 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
         budget = parse_size(sram_bytes) if sram_bytes is not None else None
         mc = Machine(shape.problems, itemsize, budget)
         tiles = Tiles(shape.Nq, shape.Nk, *blocks, scores.band)
-        run = _flash1_bwd if algorithm == "flash1" else _flash2_bwd
-        dQ, dK, dV = run(mc, Q, K, V, O, dO, L, shape, tiles, scores)
+        if algorithm == "flash1":
+            dQ, dK, dV = _flash1_bwd(mc, Q, K, V, O, dO, L, shape, tiles, scores)
+        else:
+            dQ, dK, dV = _flash2_bwd(mc, Q, K, V, O, dO, L, shape, tiles, scores, prec)
         peak = mc.sram.peak
-    return Gradients(dq=sum_to(dQ, Q.shape).reshape(q.shape),
-                     dk=sum_to(dK, K.shape).reshape(k.shape),
-                     dv=sum_to(dV, V.shape).reshape(v.shape),
+
+    def grad(g, like, x):
+        # GQA groups and broadcast axes are summed in the accumulation type, then rounded
+        return np.asarray(prec.io_round(sum_to(g, like.shape)), np.float64).reshape(x.shape)
+
+    return Gradients(dq=grad(dQ, Q, q), dk=grad(dK, K, k), dv=grad(dV, V, v),
                      traffic=mc.traffic, block_sizes=blocks, sram_peak_bytes=peak,
                      algorithm=algorithm)
 
@@ -232,7 +249,8 @@ def _flash1_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
 
 # -- flash2 (FlashAttention-2 backward: pre-pass, KV-outer main loop, post-pass) --------
 
-def _flash2_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scores: Scores):
+def _flash2_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scores: Scores,
+                prec: Precision = EXACT):
     Br, Bc, d, dv = tiles.Br, tiles.Bc, shape.d, shape.dv
     D = _hbm(shape, shape.Nq, None)
     for i in range(tiles.Tr):                                    # pre-pass
@@ -240,10 +258,12 @@ def _flash2_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
         Oi = mc.load("O", O, i0, i1)                             # HBM→SRAM: O_i (Br·dv)
         dOi = mc.load("dO", dO, i0, i1)                          # HBM→SRAM: dO_i (Br·dv)
         mc.scratch("D", i1 - i0, stat=True)
-        mc.store("D", D, i0, i1, (dOi * Oi).sum(axis=-1), stat=True)  # SRAM→HBM: D_i (Br)
+        Di = prec.stat_round((dOi * Oi).sum(axis=-1))
+        mc.store("D", D, i0, i1, Di, stat=True)                  # SRAM→HBM: D_i (Br)
         mc.free("O", "dO", "D")
 
-    dQacc = np.zeros(canon_batch(shape) + (shape.Nq, d))
+    # the accumulator is fp32 in the kernels (float64 in exact mode)
+    dQacc = np.zeros(canon_batch(shape) + (shape.Nq, d), np.float64 if prec.exact else np.float32)
     mc.store("dQacc", dQacc, 0, shape.Nq, dQacc, elem=STAT_BYTES)  # SRAM→HBM: dQacc = 0 (Nq·d fp32)
     dK, dV = _hbm(shape, shape.Nk, d), _hbm(shape, shape.Nk, dv)
     ilo, ihi = tiles.q_ranges()
@@ -251,8 +271,8 @@ def _flash2_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
         j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
         mc.scratch("dK", j1 - j0, d)
         mc.scratch("dV", j1 - j0, dv)
-        dKj = np.zeros(dK.shape[:-2] + (j1 - j0, d))
-        dVj = np.zeros(dV.shape[:-2] + (j1 - j0, dv))
+        dKj = np.zeros(dK.shape[:-2] + (j1 - j0, d), prec.acc)
+        dVj = np.zeros(dV.shape[:-2] + (j1 - j0, dv), prec.acc)
         if ihi[j] >= ilo[j]:
             Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
             Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
@@ -267,23 +287,23 @@ def _flash2_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
                 mc.scratch("dP", i1 - i0, j1 - j0)
                 S, T = scores.tile(Qi, Kj, tiles, i, j)
                 P = _probs(S, Li)                                # recomputed, never stored
-                dVj = dVj + np.swapaxes(P, -1, -2) @ dOi
+                dVj = dVj + np.swapaxes(prec.io_round(P), -1, -2) @ dOi
                 dP = dOi @ np.swapaxes(Vj, -1, -2)
-                dS = _ds(P, dP, Di, T)
-                dQi = dQi + scores.scale * (dS @ Kj)
+                dS = prec.io_round(_ds(P, dP, Di, T))
+                dQi = dQi + (scores.scale * (dS @ Kj)).astype(dQacc.dtype)
                 dKj = dKj + scores.scale * (np.swapaxes(dS, -1, -2) @ Qi)
                 mc.store("dQacc", dQacc, i0, i1, dQi, elem=STAT_BYTES)  # SRAM→HBM: dQacc_i (Br·d fp32)
                 mc.free("Q", "dO", "L", "D", "dQacc", "S", "dP")
             mc.free("K", "V")
-        mc.store("dK", dK, j0, j1, dKj)                          # SRAM→HBM: dK_j (Bc·d)
-        mc.store("dV", dV, j0, j1, dVj)                          # SRAM→HBM: dV_j (Bc·dv)
+        mc.store("dK", dK, j0, j1, prec.io_round(dKj))           # SRAM→HBM: dK_j (Bc·d)
+        mc.store("dV", dV, j0, j1, prec.io_round(dVj))           # SRAM→HBM: dV_j (Bc·dv)
         mc.free("dK", "dV")
 
     dQ = _hbm(shape, shape.Nq, d)
     for i in range(tiles.Tr):                                    # post-pass
         i0, i1 = i * Br, min((i + 1) * Br, shape.Nq)
         dQi = mc.load("dQacc", dQacc, i0, i1, elem=STAT_BYTES)   # HBM→SRAM: dQacc_i (Br·d fp32)
-        mc.store("dQ", dQ, i0, i1, dQi)                          # SRAM→HBM: dQ_i (Br·d)
+        mc.store("dQ", dQ, i0, i1, prec.io_round(prec.cast(dQi)))  # SRAM→HBM: dQ_i (Br·d)
         mc.free("dQacc")
     return dQ, dK, dV
 

@@ -23,8 +23,11 @@ from .count import count
 from .problem import itemsize_of, make_shape
 
 CORE_ALGORITHMS = ("standard", "flash1", "flash2")
+# `flashsim simulate` also runs these (the default comparison and sweep stay on the core three)
+SIMULATE_ALGORITHMS = CORE_ALGORITHMS + ("splitkv", "square")
 from .reference import attention_reference
 from .simulate import simulate
+from .splitkv import theory_splitkv
 from .tiling import Tiles, band_for, cdiv, parse_size, resolve_block_sizes, sram_footprint
 from .traffic import format_table
 
@@ -40,7 +43,8 @@ MAX_TILE_STEPS = 200_000                   # visited (Q tile, K/V tile) pairs of
 MAX_REFERENCE_ENTRIES = 2**24              # largest B·H·Nq·Nk checked against the reference
 
 NAMES = {"standard": "standard attention", "flash1": "FlashAttention-1",
-         "flash2": "FlashAttention-2"}
+         "flash2": "FlashAttention-2", "splitkv": "split-KV FlashAttention-2, flash-decoding",
+         "square": "square tiles for SRAM < d², Saha & Ye"}
 
 
 class CLIError(ValueError):
@@ -98,8 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one algorithm tile by tile on random inputs (or, with --no-math, "
                     "count the bytes only) and report the HBM traffic per tensor, the "
                     "tiling, the SRAM use and the closed-form check.")
-    s.add_argument("--algorithm", "-a", choices=CORE_ALGORITHMS, default="flash2",
-                   help="which schedule to run (default: flash2)")
+    s.add_argument("--algorithm", "-a", choices=SIMULATE_ALGORITHMS, default="flash2",
+                   help="which schedule to run (default: flash2); splitkv needs --num-splits")
+    s.add_argument("--num-splits", type=int, default=None, metavar="S",
+                   help="splitkv only: number of parts each Q tile's K/V range is cut into "
+                        "(1 = plain flash2)")
     s.add_argument("--seq", "-N", type=int, default=4096, metavar="N",
                    help="query sequence length Nq (default: 4096)")
     s.add_argument("--seq-k", type=int, default=None, metavar="Nk",
@@ -221,6 +228,13 @@ def run_simulate(args) -> int:
     if Hk > H or H % Hk:
         raise CLIError(f"--kv-heads {Hk} must divide --heads {H} (GQA/MQA groups query heads "
                        "over K/V heads)")
+    splits = args.num_splits
+    if alg == "splitkv" and splits is None:
+        raise CLIError("--algorithm splitkv needs --num-splits S (S >= 1; 1 runs plain flash2)")
+    if alg != "splitkv" and splits is not None:
+        raise CLIError(f"--num-splits applies to --algorithm splitkv, not {alg}")
+    if splits is not None and splits < 1:
+        raise CLIError(f"--num-splits must be >= 1, got {splits}")
     sram = args.sram
     if sram is None and args.block_sizes is None:
         sram = DEFAULT_SRAM
@@ -235,7 +249,7 @@ def run_simulate(args) -> int:
                                  d=d, dv=dv, itemsize=b)
     counted = count(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=(B, H), kv_batch_shape=(B, Hk),
                     sram_bytes=budget, block_sizes=args.block_sizes and tuple(args.block_sizes),
-                    causal=args.causal, io_dtype=args.dtype)
+                    causal=args.causal, io_dtype=args.dtype, num_splits=splits)
     is_flash = alg != "standard"
     if not is_flash:
         blocks = None  # standard attention does not tile
@@ -266,15 +280,19 @@ def run_simulate(args) -> int:
         v = rng.standard_normal((B, Hk, Nk, dv), dtype=np.float32)
         r = simulate(q, k, v, alg, sram_bytes=budget,
                      block_sizes=None if budget is not None else tuple(args.block_sizes),
-                     causal=args.causal, io_dtype=args.dtype)
+                     causal=args.causal, io_dtype=args.dtype, num_splits=splits)
         traffic, peak = r.traffic, r.sram_peak_bytes
         if entries <= MAX_REFERENCE_ENTRIES:
             ref, _ = attention_reference(q, k, v, causal=args.causal)
             max_err = float(np.max(np.abs(r.out - ref))) if r.out.size else 0.0
 
     Br, Bc = blocks if blocks else (None, None)
-    closed = theory.traffic(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc, causal=args.causal,
-                            itemsize=b, problems=problems)
+    if alg == "splitkv":
+        closed = theory_splitkv(Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc, causal=args.causal,
+                                itemsize=b, problems=problems, num_splits=splits)
+    else:
+        closed = theory.traffic(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc,
+                                causal=args.causal, itemsize=b, problems=problems)
     matches = closed == traffic
 
     # Theorem 2's Θ shapes (elements, per problem), N = √(Nq·Nk) when Nq ≠ Nk.
@@ -282,8 +300,12 @@ def run_simulate(args) -> int:
     if is_flash:
         M_bytes = budget if budget is not None else sram_footprint(alg, Br, Bc, d, dv, b)
         M = max(1, M_bytes // b)
-        theta = theory.theorem2_flash(N_eff, d, M)
-        theta_formula = "N²·d²/M"
+        if alg == "square" and hasattr(theory, "theta_small_sram"):
+            theta = theory.theta_small_sram(N_eff, d, M)
+            theta_formula = "N²·d/√M" if M < d * d else "N²·d²/M"
+        else:
+            theta = theory.theorem2_flash(N_eff, d, M)
+            theta_formula = "N²·d²/M"
     else:
         M = None
         theta = theory.theorem2_standard(N_eff, d)
@@ -293,6 +315,7 @@ def run_simulate(args) -> int:
     if args.json:
         out = {
             "algorithm": alg,
+            "num_splits": splits,
             "problem": {"Nq": Nq, "Nk": Nk, "d": d, "dv": dv, "batch": B, "heads": H,
                         "kv_heads": Hk, "problems": problems, "causal": bool(args.causal),
                         "dtype": args.dtype, "itemsize": b},
@@ -324,6 +347,10 @@ def run_simulate(args) -> int:
     print(f"flashsim simulate: {alg} ({NAMES[alg]})")
     line("problem", f"{seqs}, {dims}, batch {B}, {heads}, {args.dtype} I/O ({b} B/element), "
                     f"{_causal_word(args.causal)}")
+    if alg == "splitkv":
+        line("splits", f"{splits} per Q tile" + (" (1: the unsplit flash2 kernel)" if splits == 1
+                                                 else "; fp32 partials Osplit, Lsplit combined "
+                                                      "per Q tile"))
     if args.no_math:
         line("mode", "--no-math: bytes counted by fs.count, no arrays")
     else:

@@ -15,6 +15,7 @@ from .memory import Machine
 from .problem import (ALGORITHMS, Shape, canon_batch, canonical, check_algorithm, check_arrays,
                       check_options, check_scale, itemsize_of, restore)
 from .tiling import Tiles, parse_size, resolve_block_sizes
+from .precision import EXACT, Precision, make_precision
 from .variants import Scores, make_scores
 from .traffic import Traffic
 
@@ -41,7 +42,7 @@ class Result:
 
 def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
              causal: bool = False, scale=None, io_dtype=None, window=None, softcap=None,
-             alibi_slopes=None, num_splits=None) -> Result:
+             alibi_slopes=None, num_splits=None, precision: str = "float64") -> Result:
     """Run ``algorithm`` on q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) and count its
     HBM traffic.
 
@@ -50,7 +51,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     ones need exactly one of ``sram_bytes`` (block sizes by the paper's rule, shrunk to
     fit) or ``block_sizes=(Br, Bc)``. ``io_dtype`` (default q.dtype) sets the bytes per
     element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes. Variants: ``window=(left, right)``,
-    ``softcap``, ``alibi_slopes`` (see `flashsim.variants`).
+    ``softcap``, ``alibi_slopes`` (see `flashsim.variants`). ``precision="kernel"``
+    (flash2 only) reproduces the GPU kernels' rounding (see `flashsim.precision`).
     """
     algorithm = check_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
@@ -61,7 +63,13 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=itemsize)
     budget = parse_size(sram_bytes) if sram_bytes is not None else None
-    Q, K, V = canonical(q, k, v, shape)
+    prec = make_precision(precision, q.dtype if io_dtype is None else io_dtype)
+    if not prec.exact:
+        if algorithm != "flash2":
+            raise ValueError("precision='kernel' models the GPU kernels, which run flash2; "
+                             f"use algorithm='flash2' (got {algorithm!r})")
+        opts = {**opts, "prec": prec}
+    Q, K, V = (prec.cast(prec.io_round(x)) for x in canonical(q, k, v, shape))
     if algorithm == "standard":
         machine = Machine(shape.problems, itemsize)
         O, L = _standard(machine, Q, K, V, shape, scores)
@@ -166,7 +174,8 @@ def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
 
 # -- FlashAttention-2 forward (Q outer, K/V inner, deferred normalisation) ---------------
 
-def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
+def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
+            prec: Precision = EXACT):
     Br, Bc = tiles.Br, tiles.Bc
     O = _hbm(shape, shape.dv, np.nan)     # poisoned: every row must be written
     L = _hbm(shape, None, np.nan)
@@ -185,9 +194,10 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
         Qi = mc.load("Q", Q, i0, i1)                             # HBM→SRAM: Q_i (Br·d)
         mc.scratch("l", rows, stat=True)
         mc.scratch("m_new", rows, stat=True)
-        Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv))
-        mi = np.full(Oi.shape[:-1], NEG_INF)
-        li = np.zeros(Oi.shape[:-1])
+        Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv),
+                      dtype=prec.acc)
+        mi = np.full(Oi.shape[:-1], NEG_INF, dtype=prec.acc)
+        li = np.zeros(Oi.shape[:-1], dtype=prec.acc)
         for j in range(jlo[i], jhi[i] + 1):
             j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
             Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
@@ -198,15 +208,15 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
             P = np.exp(S - _safe(m_new)[..., None])              # P̃_ij overwrites S_ij
             alpha = np.exp(mi - _safe(m_new))                    # e^{m_old − m_new}
             li = alpha * li + P.sum(axis=-1)
-            Oi = alpha[..., None] * Oi + P @ Vj                  # unnormalised until the end
+            Oi = alpha[..., None] * Oi + prec.io_round(P) @ Vj   # unnormalised until the end
             mi = m_new
             mc.free("K", "V", "S")
         seen = li > 0
         Oi = Oi / np.where(seen, li, 1.0)[..., None]             # diag(ℓ_i)^−1 O_i, once
         with np.errstate(divide="ignore"):
             Li = np.where(seen, mi + np.log(np.where(seen, li, 1.0)), NEG_INF)
-        mc.store("O", O, i0, i1, Oi)                             # SRAM→HBM: O_i (Br·dv)
-        mc.store("L", L, i0, i1, Li, stat=True)                  # SRAM→HBM: L_i = m_i + log ℓ_i (Br)
+        mc.store("O", O, i0, i1, prec.io_round(Oi))              # SRAM→HBM: O_i (Br·dv)
+        mc.store("L", L, i0, i1, prec.stat_round(Li), stat=True)  # SRAM→HBM: L_i = m_i + log ℓ_i (Br)
         mc.free("Q", "O", "m", "l", "m_new")
     return O, L
 

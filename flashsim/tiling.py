@@ -190,6 +190,12 @@ def _fp_flash2(Br, Bc, d, dv, b):
     return (Br * d + Br * dv + Bc * d + Bc * dv + Br * Bc) * b + 3 * Br * STAT_BYTES
 
 
+def _fp_splitkv(Br, Bc, d, dv, b):
+    # each split runs flash2's loop; the combine streams one fp32 partial row at a time
+    # (accumulator, partial, running max and sum: 4·dv + 4·dv... at least 4·dv + 16 bytes)
+    return max(_fp_flash2(Br, Bc, d, dv, b), 4 * dv + 16)
+
+
 def _fp_flash1_bwd(Br, Bc, d, dv, b):
     return (2 * Bc * d + 2 * Bc * dv + 2 * Br * d + 2 * Br * dv + 2 * Br * Bc) * b \
         + 3 * Br * STAT_BYTES
@@ -203,7 +209,7 @@ def _fp_flash2_bwd(Br, Bc, d, dv, b):
 BLOCK_RULES: dict[str, BlockRule] = {
     "flash1": BlockRule(_kv_resident, _fp_flash1),
     "flash2": BlockRule(_q_resident, _fp_flash2),
-    "splitkv": BlockRule(_q_resident, _fp_flash2),
+    "splitkv": BlockRule(_q_resident, _fp_splitkv),
     "flash1-backward": BlockRule(_kv_resident, _fp_flash1_bwd),
     "flash2-backward": BlockRule(_kv_resident, _fp_flash2_bwd),
 }

@@ -1,0 +1,176 @@
+"""Variable-length (packed) batches, as FlashAttention's ``flash_attn_varlen_func``.
+
+The sequences of a batch are concatenated along the token axis instead of padded:
+
+    q (total_q, Hq, d), k (total_k, Hk, d), v (total_k, Hk, dv)
+    cu_seqlens_q = [0, Nq_0, Nq_0 + Nq_1, …, total_q]    (batch + 1 integers)
+    cu_seqlens_k = [0, Nk_0, Nk_0 + Nk_1, …, total_k]
+
+Sequence b is q[cu_q[b]:cu_q[b+1]] against k, v[cu_k[b]:cu_k[b+1]] and attends only
+within itself; a causal mask or a window is aligned to the bottom-right corner of each
+sequence's own Nq_b × Nk_b score matrix. Lengths of 0 are allowed (an empty query
+sequence does nothing; an empty key sequence gives out = 0, lse = −∞).
+
+Each sequence is run as its own `flashsim.simulate` problem (heads as the batch axis,
+so GQA works as there), and the traffic is the sum over sequences: a kernel that
+works on packed data moves only the real rows, never padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .count import count
+from .problem import check_algorithm, check_size, itemsize_of
+from .simulate import simulate
+from .tiling import resolve_block_sizes
+from .traffic import Traffic
+
+
+@dataclass(frozen=True)
+class VarlenResult:
+    """What `simulate_varlen` returns.
+
+    out: (total_q, Hq, dv) float64, packed like q. lse: (Hq, total_q) float64, heads
+    first, as FlashAttention's varlen forward returns its softmax_lse (natural log; −inf
+    for a row that sees no key). traffic: HBM bytes summed over the sequences;
+    per_sequence: each sequence's traffic. block_sizes: (Br, Bc) shared by every
+    sequence (None for standard attention). sram_peak_bytes: the largest peak over the
+    sequences (None for standard attention; 0 for an empty batch).
+    """
+    out: np.ndarray
+    lse: np.ndarray
+    traffic: Traffic
+    per_sequence: tuple
+    block_sizes: tuple[int, int] | None
+    sram_peak_bytes: int | None
+    algorithm: str
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+
+
+def check_cu_seqlens(name: str, cu, total: int | None = None) -> np.ndarray:
+    """Validate cumulative sequence lengths: 1-D integers, starting at 0,
+    non-decreasing, ending at the packed length ``total`` (if given)."""
+    a = np.asarray(cu)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array (e.g. int32), got dtype {a.dtype}")
+    if a.ndim != 1 or a.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 (>= 1), got shape {a.shape}")
+    a = a.astype(np.int64)
+    if a[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {a[0]}")
+    if (np.diff(a) < 0).any():
+        b = int(np.argmax(np.diff(a) < 0))
+        raise ValueError(f"{name} must be non-decreasing (lengths >= 0), but "
+                         f"{name}[{b + 1}] = {a[b + 1]} < {name}[{b}] = {a[b]}")
+    if total is not None and a[-1] != total:
+        raise ValueError(f"{name}[-1] = {a[-1]} must equal the packed length {total} "
+                         f"(the number of tokens along axis 0)")
+    return a
+
+
+def _check_batches(cu_q: np.ndarray, cu_k: np.ndarray) -> int:
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q describes {cu_q.shape[0] - 1} sequences but "
+                         f"cu_seqlens_k {cu_k.shape[0] - 1}; both need batch + 1 entries")
+    return cu_q.shape[0] - 1
+
+
+def _packed(name: str, x, what: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        x = np.asarray(x)
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be 3-D packed ({what}), got shape {x.shape}")
+    return x
+
+
+def _slopes_per_sequence(alibi_slopes, batch: int, Hq: int):
+    if alibi_slopes is None:
+        return [None] * batch
+    s = np.asarray(alibi_slopes)
+    if s.ndim == 1 and s.shape == (Hq,):
+        return [s] * batch
+    if s.ndim == 2 and s.shape == (batch, Hq):
+        return [s[b] for b in range(batch)]
+    raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({batch}, {Hq}) "
+                     f"(per sequence and query head); got {s.shape}")
+
+
+def simulate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, algorithm: str = "flash2", *,
+                    sram_bytes=None, block_sizes=None, causal: bool = False, scale=None,
+                    io_dtype=None, window=None, softcap=None, alibi_slopes=None,
+                    num_splits=None) -> VarlenResult:
+    """Run ``algorithm`` on a packed batch and count its HBM traffic.
+
+    q (total_q, Hq, d), k (total_k, Hk, d), v (total_k, Hk, dv); Hk divides Hq (GQA);
+    cu_seqlens_q/k: integer arrays of shape (batch + 1,) (see the module docstring).
+    ``alibi_slopes``: (Hq,) or (batch, Hq). Other options as in `flashsim.simulate`,
+    applied to every sequence. Returns a `VarlenResult` (lse is (Hq, total_q)).
+    """
+    algorithm = check_algorithm(algorithm)
+    q = _packed("q", q, "total_q, heads, d")
+    k = _packed("k", k, "total_k, kv_heads, d")
+    v = _packed("v", v, "total_k, kv_heads, dv")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same tokens and heads "
+                         "(axes 0 and 1)")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    batch = _check_batches(cu_q, cu_k)
+    Hq, d, dv = q.shape[1], q.shape[2], v.shape[2]
+    if io_dtype is None:
+        io_dtype = q.dtype
+    # validate the tiling once (also for an empty batch); every sequence shares it
+    blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
+                                 d=d, dv=dv, itemsize=itemsize_of(io_dtype))
+    slopes = _slopes_per_sequence(alibi_slopes, batch, Hq)
+
+    out = np.zeros((q.shape[0], Hq, dv))
+    lse = np.full((Hq, q.shape[0]), -np.inf)
+    per_seq, peak = [], (None if algorithm == "standard" else 0)
+    for b in range(batch):
+        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        r = simulate(np.moveaxis(q[qs:qe], 0, 1), np.moveaxis(k[ks:ke], 0, 1),
+                     np.moveaxis(v[ks:ke], 0, 1), algorithm, sram_bytes=sram_bytes,
+                     block_sizes=block_sizes, causal=causal, scale=scale,
+                     io_dtype=io_dtype, window=window, softcap=softcap,
+                     alibi_slopes=slopes[b], num_splits=num_splits)
+        out[qs:qe] = np.moveaxis(r.out, 0, 1)          # (Hq, Nq_b, dv) → (Nq_b, Hq, dv)
+        lse[:, qs:qe] = r.lse                          # (Hq, Nq_b)
+        per_seq.append(r.traffic)
+        if peak is not None:
+            peak = max(peak, r.sram_peak_bytes)
+    return VarlenResult(out=out, lse=lse, traffic=sum(per_seq, Traffic()),
+                        per_sequence=tuple(per_seq), block_sizes=blocks,
+                        sram_peak_bytes=peak, algorithm=algorithm,
+                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def count_varlen(algorithm: str, *, cu_seqlens_q, cu_seqlens_k, heads: int,
+                 kv_heads: int | None = None, d: int, dv: int | None = None,
+                 sram_bytes=None, block_sizes=None, causal: bool = False,
+                 io_dtype="float16", window=None, num_splits=None) -> Traffic:
+    """HBM traffic of a packed batch without arrays: the sum of `flashsim.count` over
+    the sequences; equal to ``simulate_varlen(...).traffic`` for the same problem."""
+    algorithm = check_algorithm(algorithm)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    batch = _check_batches(cu_q, cu_k)
+    heads = check_size("heads", heads, 1)
+    kv_heads = heads if kv_heads is None else check_size("kv_heads", kv_heads, 1)
+    total = Traffic()
+    kw = dict(d=d, dv=dv, batch_shape=(heads,), kv_batch_shape=(kv_heads,),
+              sram_bytes=sram_bytes, block_sizes=block_sizes, causal=causal,
+              io_dtype=io_dtype, window=window, num_splits=num_splits)
+    if batch == 0:   # still validate the options
+        count(algorithm, Nq=0, Nk=0, **kw)
+    for b in range(batch):
+        total = total + count(algorithm, Nq=int(cu_q[b + 1] - cu_q[b]),
+                              Nk=int(cu_k[b + 1] - cu_k[b]), **kw)
+    return total
+
+
+__all__ = ["simulate_varlen", "count_varlen", "VarlenResult", "check_cu_seqlens"]
