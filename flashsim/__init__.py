@@ -13,20 +13,22 @@ per tensor, and computes the real result so the math is checked too.
     True
 """
 
-from . import theory
+from . import gpu, theory
 from .backward import Gradients, count_backward, simulate_backward
 from .count import count
 from .errors import SRAMOverflowError
 from .problem import ALGORITHMS
-from .reference import attention_backward_reference, attention_reference
+from .reference import attention_backward_reference, attention_reference, attention_same_dtype
 from .simulate import Result, simulate
 from .softmax import softmax
 from .traffic import Traffic, format_table
-from .varlen import VarlenResult, count_varlen, simulate_varlen
+from .varlen import (VarlenGradients, VarlenResult, count_varlen, count_varlen_backward,
+                     simulate_varlen, simulate_varlen_backward)
 
 __version__ = "0.1.0"
 
 __all__ = ["simulate", "count", "simulate_backward", "count_backward", "Traffic", "Result",
            "Gradients", "SRAMOverflowError", "theory", "softmax", "attention_reference",
-           "attention_backward_reference", "format_table", "ALGORITHMS", "simulate_varlen",
-           "count_varlen", "VarlenResult"]
+           "attention_backward_reference", "attention_same_dtype", "gpu", "format_table", "ALGORITHMS", "simulate_varlen",
+           "count_varlen", "VarlenResult", "simulate_varlen_backward", "count_varlen_backward",
+           "VarlenGradients"]

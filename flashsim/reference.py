@@ -65,3 +65,38 @@ def attention_backward_reference(q, k, v, dout, *, causal: bool = False, scale=N
     dK = scores.scale * (np.swapaxes(dS, -1, -2) @ Q)
     return (sum_to(dQ, Q.shape).reshape(q.shape), sum_to(dK, K.shape).reshape(k.shape),
             sum_to(dV, V.shape).reshape(v.shape))
+
+
+def attention_same_dtype(q, k, v, dout=None, *, io_dtype: str, causal: bool = False,
+                         scale=None):
+    """Dense attention as a framework computes it in the I/O type itself (FlashAttention's
+    'naive same-dtype' baseline): every matrix product accumulates in fp32 and rounds
+    its result to ``io_dtype``; the softmax runs in fp32 on the rounded S and rounds P.
+
+    Returns out, or (out, dq, dk, dv) with ``dout``, all float64 arrays of rounded values.
+    FlashAttention's correctness rule compares a kernel's error against this one's:
+    max|out − ref| ≤ 2·max|out_same_dtype − ref| (3× for gradients). One problem at a
+    time: q (Nq, d), k (Nk, d), v (Nk, dv).
+    """
+    from .precision import make_precision
+    r = make_precision("kernel", io_dtype).io_round
+    f32 = np.float32
+    q, k, v = (r(np.asarray(x, f32)).astype(f32) for x in (q, k, v))
+    s = check_scale(scale, q.shape[-1])
+    S = r(f32(s) * (q @ k.T))
+    if causal:
+        Nq, Nk = S.shape
+        S = np.where(np.arange(Nk)[None, :] <= np.arange(Nq)[:, None] + Nk - Nq, S, -np.inf)
+    m = S.max(axis=-1, keepdims=True, initial=-np.inf)
+    E = np.exp(S - np.where(np.isfinite(m), m, 0))
+    P = r(E / np.maximum(E.sum(axis=-1, keepdims=True), np.finfo(f32).tiny))
+    out = r(P @ v)
+    if dout is None:
+        return out.astype(np.float64)
+    dO = r(np.asarray(dout, f32))
+    dV = r(P.T @ dO)
+    dP = r(dO @ v.T)
+    dS = r(P * (dP - (P * dP).sum(axis=-1, keepdims=True)))
+    dQ = r(f32(s) * (dS @ k))
+    dK = r(f32(s) * (dS.T @ q))
+    return tuple(x.astype(np.float64) for x in (out, dQ, dK, dV))

@@ -14,6 +14,11 @@ sequence does nothing; an empty key sequence gives out = 0, lse = −∞).
 Each sequence is run as its own `flashsim.simulate` problem (heads as the batch axis,
 so GQA works as there), and the traffic is the sum over sequences: a kernel that
 works on packed data moves only the real rows, never padding.
+
+The backward (`simulate_varlen_backward`) takes the forward's packed out (total_q, Hq, dv)
+and lse (Hq, total_q) with dout like out, and runs each sequence through
+`flashsim.simulate_backward` the same way; `count_varlen_backward` sums
+`flashsim.count_backward`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backward import _check_backward_algorithm, _check_saved, count_backward, simulate_backward
 from .count import count
 from .problem import check_algorithm, check_size, itemsize_of
 from .simulate import simulate
@@ -42,6 +48,29 @@ class VarlenResult:
     """
     out: np.ndarray
     lse: np.ndarray
+    traffic: Traffic
+    per_sequence: tuple
+    block_sizes: tuple[int, int] | None
+    sram_peak_bytes: int | None
+    algorithm: str
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+
+
+@dataclass(frozen=True)
+class VarlenGradients:
+    """What `simulate_varlen_backward` returns.
+
+    dq (total_q, Hq, d), dk (total_k, Hk, d), dv (total_k, Hk, dv): float64, packed like
+    q, k, v (GQA groups summed into their K/V head). traffic: HBM bytes summed over the
+    sequences; per_sequence: each sequence's traffic. block_sizes: (Br, Bc) shared by
+    every sequence (None for standard attention without block_sizes). sram_peak_bytes:
+    the largest peak over the sequences (None for standard attention; 0 for an empty
+    batch).
+    """
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
     traffic: Traffic
     per_sequence: tuple
     block_sizes: tuple[int, int] | None
@@ -99,6 +128,66 @@ def _slopes_per_sequence(alibi_slopes, batch: int, Hq: int):
                      f"(per sequence and query head); got {s.shape}")
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """A validated packed batch: arrays, cumulative lengths and per-sequence slopes."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+    slopes: list
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+    def sequences(self):
+        """(b, query slice, key slice) for each sequence."""
+        for b in range(self.batch):
+            yield (b, slice(int(self.cu_q[b]), int(self.cu_q[b + 1])),
+                   slice(int(self.cu_k[b]), int(self.cu_k[b + 1])))
+
+
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes) -> _Packed:
+    """The checks the forward and the backward share."""
+    q = _packed("q", q, "total_q, heads, d")
+    k = _packed("k", k, "total_k, kv_heads, d")
+    v = _packed("v", v, "total_k, kv_heads, dv")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same tokens and heads "
+                         "(axes 0 and 1)")
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    batch = _check_batches(cu_q, cu_k)
+    return _Packed(q, k, v, cu_q, cu_k, _slopes_per_sequence(alibi_slopes, batch, q.shape[1]))
+
+
+def _heads_first(x: np.ndarray, rows: slice) -> np.ndarray:
+    """Packed (tokens, heads, ·) rows → (heads, N_b, ·), the layout `simulate` takes."""
+    return np.moveaxis(x[rows], 0, 1)
+
+
+def _tokens_first(x: np.ndarray) -> np.ndarray:
+    """(heads, N_b, ·) → packed (N_b, heads, ·)."""
+    return np.moveaxis(x, 0, 1)
+
+
+def _totals(results, standard: bool):
+    """(summed traffic, per-sequence traffic, max SRAM peak) of per-sequence results."""
+    per_seq = tuple(r.traffic for r in results)
+    peak = None if standard else max((r.sram_peak_bytes for r in results), default=0)
+    return sum(per_seq, Traffic()), per_seq, peak
+
+
+def _check_saved_packed(name: str, x, want: tuple, layout: str, **kw) -> np.ndarray:
+    x = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if x.shape != want:
+        raise ValueError(f"{name} must have the packed shape ({layout}) = {want}, "
+                         f"got {x.shape}")
+    return _check_saved(name, x, want, **kw)      # dtype, NaN / Inf
+
+
 def simulate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, algorithm: str = "flash2", *,
                     sram_bytes=None, block_sizes=None, causal: bool = False, scale=None,
                     io_dtype=None, window=None, softcap=None, alibi_slopes=None,
@@ -111,42 +200,89 @@ def simulate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, algorithm: str = "flash
     applied to every sequence. Returns a `VarlenResult` (lse is (Hq, total_q)).
     """
     algorithm = check_algorithm(algorithm)
-    q = _packed("q", q, "total_q, heads, d")
-    k = _packed("k", k, "total_k, kv_heads, d")
-    v = _packed("v", v, "total_k, kv_heads, dv")
-    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
-        raise ValueError(f"k {k.shape} and v {v.shape} must have the same tokens and heads "
-                         "(axes 0 and 1)")
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
-    batch = _check_batches(cu_q, cu_k)
-    Hq, d, dv = q.shape[1], q.shape[2], v.shape[2]
+    p = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    q, Hq, dv = p.q, p.q.shape[1], p.v.shape[2]
     if io_dtype is None:
         io_dtype = q.dtype
     # validate the tiling once (also for an empty batch); every sequence shares it
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
-                                 d=d, dv=dv, itemsize=itemsize_of(io_dtype))
-    slopes = _slopes_per_sequence(alibi_slopes, batch, Hq)
+                                 d=q.shape[2], dv=dv, itemsize=itemsize_of(io_dtype))
 
     out = np.zeros((q.shape[0], Hq, dv))
     lse = np.full((Hq, q.shape[0]), -np.inf)
-    per_seq, peak = [], (None if algorithm == "standard" else 0)
+    results = []
+    for b, sq, sk in p.sequences():
+        r = simulate(_heads_first(q, sq), _heads_first(p.k, sk), _heads_first(p.v, sk),
+                     algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
+                     causal=causal, scale=scale, io_dtype=io_dtype, window=window,
+                     softcap=softcap, alibi_slopes=p.slopes[b], num_splits=num_splits)
+        out[sq] = _tokens_first(r.out)                 # (Hq, Nq_b, dv) → (Nq_b, Hq, dv)
+        lse[:, sq] = r.lse                             # (Hq, Nq_b)
+        results.append(r)
+    traffic, per_seq, peak = _totals(results, algorithm == "standard")
+    return VarlenResult(out=out, lse=lse, traffic=traffic, per_sequence=per_seq,
+                        block_sizes=blocks, sram_peak_bytes=peak, algorithm=algorithm,
+                        cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k)
+
+
+def simulate_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
+                             algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
+                             causal: bool = False, scale=None, io_dtype=None, window=None,
+                             softcap=None, alibi_slopes=None,
+                             precision: str = "float64") -> VarlenGradients:
+    """Gradients of a packed batch with respect to q, k, v, run per sequence with
+    `flashsim.simulate_backward` (``algorithm`` ∈ {"standard", "flash1", "flash2"}).
+
+    q, k, v, cu_seqlens_q/k and ``alibi_slopes`` as in `simulate_varlen`; ``out``
+    (total_q, Hq, dv) and ``lse`` (Hq, total_q) are its results, ``dout`` is shaped like
+    ``out``. A sequence with no query or no key gets zero gradients (and the traffic
+    `flashsim.count_backward` gives it). Returns a `VarlenGradients`.
+    """
+    algorithm = _check_backward_algorithm(algorithm)
+    p = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    q, k, v = p.q, p.k, p.v
+    total_q, Hq, d, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[2]
+    out = _check_saved_packed("out", out, (total_q, Hq, dv), "total_q, heads, dv")
+    dout = _check_saved_packed("dout", dout, (total_q, Hq, dv), "total_q, heads, dv")
+    lse = _check_saved_packed("lse", lse, (Hq, total_q), "heads, total_q: heads first, as "
+                              "simulate_varlen returns it", allow_neg_inf=True)
+    if io_dtype is None:
+        io_dtype = q.dtype
+    rule = "standard" if algorithm == "standard" else f"{algorithm}-backward"
+    blocks = resolve_block_sizes(rule, sram_bytes=sram_bytes, block_sizes=block_sizes,
+                                 d=d, dv=dv, itemsize=itemsize_of(io_dtype))
+
+    dq, dk, dvv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    results = []
+    for b, sq, sk in p.sequences():
+        g = simulate_backward(_heads_first(q, sq), _heads_first(k, sk), _heads_first(v, sk),
+                              _heads_first(out, sq), lse[:, sq], _heads_first(dout, sq),
+                              algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
+                              causal=causal, scale=scale, io_dtype=io_dtype, window=window,
+                              softcap=softcap, alibi_slopes=p.slopes[b], precision=precision)
+        dq[sq], dk[sk], dvv[sk] = (_tokens_first(x) for x in (g.dq, g.dk, g.dv))
+        results.append(g)
+    traffic, per_seq, peak = _totals(results, algorithm == "standard")
+    return VarlenGradients(dq=dq, dk=dk, dv=dvv, traffic=traffic, per_sequence=per_seq,
+                           block_sizes=blocks, sram_peak_bytes=peak, algorithm=algorithm,
+                           cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k)
+
+
+def _count_sum(counter, cu_seqlens_q, cu_seqlens_k, heads, kv_heads, **kw) -> Traffic:
+    """Sum ``counter(Nq=…, Nk=…, batch_shape=(heads,), …)`` over the sequences."""
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    batch = _check_batches(cu_q, cu_k)
+    heads = check_size("heads", heads, 1)
+    kv_heads = heads if kv_heads is None else check_size("kv_heads", kv_heads, 1)
+    kw.update(batch_shape=(heads,), kv_batch_shape=(kv_heads,))
+    if batch == 0:   # still validate the options
+        counter(Nq=0, Nk=0, **kw)
+    total = Traffic()
     for b in range(batch):
-        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        r = simulate(np.moveaxis(q[qs:qe], 0, 1), np.moveaxis(k[ks:ke], 0, 1),
-                     np.moveaxis(v[ks:ke], 0, 1), algorithm, sram_bytes=sram_bytes,
-                     block_sizes=block_sizes, causal=causal, scale=scale,
-                     io_dtype=io_dtype, window=window, softcap=softcap,
-                     alibi_slopes=slopes[b], num_splits=num_splits)
-        out[qs:qe] = np.moveaxis(r.out, 0, 1)          # (Hq, Nq_b, dv) → (Nq_b, Hq, dv)
-        lse[:, qs:qe] = r.lse                          # (Hq, Nq_b)
-        per_seq.append(r.traffic)
-        if peak is not None:
-            peak = max(peak, r.sram_peak_bytes)
-    return VarlenResult(out=out, lse=lse, traffic=sum(per_seq, Traffic()),
-                        per_sequence=tuple(per_seq), block_sizes=blocks,
-                        sram_peak_bytes=peak, algorithm=algorithm,
-                        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        total = total + counter(Nq=int(cu_q[b + 1] - cu_q[b]),
+                                Nk=int(cu_k[b + 1] - cu_k[b]), **kw)
+    return total
 
 
 def count_varlen(algorithm: str, *, cu_seqlens_q, cu_seqlens_k, heads: int,
@@ -156,21 +292,25 @@ def count_varlen(algorithm: str, *, cu_seqlens_q, cu_seqlens_k, heads: int,
     """HBM traffic of a packed batch without arrays: the sum of `flashsim.count` over
     the sequences; equal to ``simulate_varlen(...).traffic`` for the same problem."""
     algorithm = check_algorithm(algorithm)
-    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
-    batch = _check_batches(cu_q, cu_k)
-    heads = check_size("heads", heads, 1)
-    kv_heads = heads if kv_heads is None else check_size("kv_heads", kv_heads, 1)
-    total = Traffic()
-    kw = dict(d=d, dv=dv, batch_shape=(heads,), kv_batch_shape=(kv_heads,),
-              sram_bytes=sram_bytes, block_sizes=block_sizes, causal=causal,
-              io_dtype=io_dtype, window=window, num_splits=num_splits)
-    if batch == 0:   # still validate the options
-        count(algorithm, Nq=0, Nk=0, **kw)
-    for b in range(batch):
-        total = total + count(algorithm, Nq=int(cu_q[b + 1] - cu_q[b]),
-                              Nk=int(cu_k[b + 1] - cu_k[b]), **kw)
-    return total
+    return _count_sum(lambda **kw: count(algorithm, **kw), cu_seqlens_q, cu_seqlens_k,
+                      heads, kv_heads, d=d, dv=dv, sram_bytes=sram_bytes,
+                      block_sizes=block_sizes, causal=causal, io_dtype=io_dtype,
+                      window=window, num_splits=num_splits)
 
 
-__all__ = ["simulate_varlen", "count_varlen", "VarlenResult", "check_cu_seqlens"]
+def count_varlen_backward(algorithm: str, *, cu_seqlens_q, cu_seqlens_k, heads: int,
+                          kv_heads: int | None = None, d: int, dv: int | None = None,
+                          sram_bytes=None, block_sizes=None, causal: bool = False,
+                          io_dtype="float16", window=None, softcap=None) -> Traffic:
+    """Backward HBM traffic of a packed batch without arrays: the sum of
+    `flashsim.count_backward` over the sequences; equal to
+    ``simulate_varlen_backward(...).traffic`` for the same problem."""
+    algorithm = _check_backward_algorithm(algorithm)
+    return _count_sum(lambda **kw: count_backward(algorithm, **kw), cu_seqlens_q,
+                      cu_seqlens_k, heads, kv_heads, d=d, dv=dv, sram_bytes=sram_bytes,
+                      block_sizes=block_sizes, causal=causal, io_dtype=io_dtype,
+                      window=window, softcap=softcap)
+
+
+__all__ = ["simulate_varlen", "count_varlen", "VarlenResult", "check_cu_seqlens",
+           "simulate_varlen_backward", "count_varlen_backward", "VarlenGradients"]

@@ -1,6 +1,7 @@
 """Hypothesis profiles: `ci` (default; thorough but inside the suite's time budget)
 and `dev` (quick local loop: `python3 -m pytest --hypothesis-profile=dev`).
-A `gpu` profile sized for one GPU arrives with the GPU tests."""
+`gpu` sizes the GPU fuzzing to finish within a few minutes on one GPU
+(`python3 -m pytest -m gpu --hypothesis-profile=gpu`)."""
 
 from hypothesis import HealthCheck, settings
 
@@ -10,4 +11,8 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "gpu", max_examples=40, deadline=None, derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.function_scoped_fixture])
 settings.load_profile("ci")

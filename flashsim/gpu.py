@@ -1,0 +1,358 @@
+"""The simulator's FlashAttention-2 schedule on a real GPU, launched through CuPy.
+
+The only module of flashsim that imports CuPy, and only when a function here is called:
+`import flashsim` works with no CuPy and no GPU.
+
+    out, lse = fs.gpu.attention(q, k, v, causal=True)
+    dq, dk, dv = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True)
+    out, lse, traffic = fs.gpu.attention(q, k, v, count_io=True)
+    traffic == fs.simulate(q, k, v, "flash2", block_sizes=fs.gpu.block_sizes(q, v)).traffic
+
+Inputs: CuPy arrays, NumPy arrays (copied to the device), or any tensor exposing
+``__cuda_array_interface__`` or ``__dlpack__`` (PyTorch: no copy). Results are CuPy
+arrays, or PyTorch tensors when the inputs were PyTorch tensors. float16, float32 and
+float64 come in any of these; bfloat16 comes as PyTorch tensors (CuPy has no bfloat16).
+Non-contiguous inputs are copied to contiguous ones first. The layout and semantics are
+`flashsim.simulate`'s; L is fp32, as FlashAttention stores it.
+
+Kernels (kernels_cu/flash2_ref.cu) are compiled once per (dtype set, instrumented or
+not, device) with NVRTC and cached; ``count_io=True`` runs the instrumented build, whose
+thread blocks add the bytes of every tile they move to per-tensor counters, and returns
+that as a `flashsim.Traffic`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import kernels as K
+from .problem import canon_batch, check_scale, resolve_batch, Shape
+from .traffic import Traffic
+
+THREADS = 128
+_GRID_Y_MAX = 65535
+
+INSTALL_HINT = ('pip install "flashsim[cuda12]" (CUDA 12) or "flashsim[cuda13]" (CUDA 13)')
+
+
+class GPUUnavailableError(RuntimeError):
+    """CuPy is not installed, or no CUDA device is visible."""
+
+
+def _cupy():
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise GPUUnavailableError(f"flashsim.gpu needs CuPy: {INSTALL_HINT} ({e})") from None
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # the driver or runtime is missing
+        raise GPUUnavailableError(f"no CUDA device is visible ({e})") from None
+    if n == 0:
+        raise GPUUnavailableError("no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+    return cp
+
+
+def available() -> bool:
+    """True if CuPy imports and a CUDA device is visible."""
+    try:
+        _cupy()
+        return True
+    except GPUUnavailableError:
+        return False
+
+
+def compile_options(count_io: bool) -> tuple[str, ...]:
+    """NVRTC options (CuPy adds the current device's architecture, -arch=sm_XY)."""
+    opts = ("--std=c++17", f"-I{K.kernel_dir()}")
+    cp = _cupy()
+    cuda_path = cp.cuda.get_cuda_path()
+    if cuda_path:
+        opts += (f"-I{cuda_path}/include",)
+    return opts + (("-DFLASHSIM_COUNT_IO",) if count_io else ())
+
+
+@functools.lru_cache(maxsize=None)
+def _module(count_io: bool, device: int):
+    cp = _cupy()
+    source = (K.kernel_dir() / "flash2_ref.cu").read_text()
+    return cp.RawModule(code=source, options=compile_options(count_io),
+                        name_expressions=K.name_expressions("flash2_ref.cu"))
+
+
+def _kernel(name: str, dtype: str, count_io: bool):
+    cp = _cupy()
+    return _module(count_io, cp.cuda.Device().id).get_function(
+        f"{name}<{K.CUDA_TYPES[dtype]}>")
+
+
+def smem_limit() -> int:
+    """Largest dynamic shared memory one CTA may opt in to on the current device."""
+    cp = _cupy()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
+
+
+# -- inputs and outputs -----------------------------------------------------------------
+
+class _In:
+    """A device array plus how to hand results back (CuPy, or PyTorch)."""
+
+    def __init__(self, x, name: str):
+        cp = _cupy()
+        self.torch = type(x).__module__.split(".")[0] == "torch"
+        if self.torch:
+            import torch
+            if x.device.type != "cuda":
+                x = x.cuda()
+            x = x.contiguous()
+            if x.dtype == torch.bfloat16:
+                self.dtype = "bfloat16"
+                self.arr = cp.from_dlpack(x.view(torch.int16))   # bits, no copy
+            else:
+                self.dtype = str(x.dtype).replace("torch.", "")
+                self.arr = cp.from_dlpack(x)
+        else:
+            if isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__")
+                                                 or hasattr(x, "__dlpack__")):
+                arr = cp.asarray(np.asarray(x))
+            elif hasattr(x, "__cuda_array_interface__"):
+                arr = cp.asarray(x)
+            else:
+                arr = cp.from_dlpack(x)
+            self.dtype = str(arr.dtype)
+            self.arr = cp.ascontiguousarray(arr)
+        if self.dtype not in K.CUDA_TYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                            f"{self.dtype}")
+        if self.arr.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape "
+                             f"{tuple(self.arr.shape)}")
+
+    @property
+    def shape(self):
+        return tuple(self.arr.shape)
+
+
+def _storage(cp, dtype: str):
+    # bfloat16 travels as its 16 bits in an int16 array
+    return cp.int16 if dtype == "bfloat16" else getattr(cp, dtype)
+
+
+def _empty(cp, shape, dtype):
+    """Output allocation (the GPU tests replace it with a poisoning one to prove that
+    every element is written)."""
+    return cp.empty(shape, dtype=dtype)
+
+
+def _out(cp, arr, dtype: str, as_torch: bool):
+    if not as_torch:
+        return arr
+    import torch
+    t = torch.from_dlpack(arr)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def _to_f32(cp, arr, dtype: str):
+    if dtype == "bfloat16":
+        return (arr.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+    return arr.astype(cp.float64 if dtype == "float64" else cp.float32)
+
+
+def _from_f32(cp, x, dtype: str):
+    if dtype == "bfloat16":  # round to nearest even on the top 16 bits
+        u = x.astype(cp.float32).view(cp.uint32)
+        u = (u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16
+        return u.astype(cp.uint16).view(cp.int16)
+    return x.astype(_storage(cp, dtype))
+
+
+def _layout(q: _In, k: _In, v: _In):
+    """Shape, per-problem Q (P, Nq, d), K/V (Pk, Nk, ·) and kv_index (P,) int32."""
+    cp = _cupy()
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim d: q has d={q.shape[-1]}, "
+                         f"k has d={k.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must agree on every axis but the "
+                         "last (..., Nk, ·)")
+    batch, g = resolve_batch(q.shape[:-2], k.shape[:-2])
+    shape = Shape(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], batch,
+                  q.shape[:-2], k.shape[:-2], g)
+    if max(shape.d, shape.dv) > 256:
+        raise ValueError(f"head dims up to 256 are supported, got d={shape.d}, dv={shape.dv}")
+    P = shape.problems
+    Q = q.arr
+    if q.shape[:-2] != batch:   # q broadcast over a batch or head axis: materialise it
+        Q = cp.ascontiguousarray(cp.broadcast_to(Q, batch + q.shape[-2:]))
+    Q = Q.reshape(P, shape.Nq, shape.d)
+    kb = k.shape[:-2]
+    Pk = math.prod(kb)
+    n = max(len(batch), 1)
+    kb_pad = (1,) * (n - len(kb)) + kb
+    kv_index = np.broadcast_to(np.arange(Pk, dtype=np.int32).reshape(kb_pad)[..., None],
+                               canon_batch(shape)).reshape(-1)
+    return (shape, Q, k.arr.reshape(Pk, shape.Nk, shape.d),
+            v.arr.reshape(Pk, shape.Nk, shape.dv), cp.asarray(kv_index))
+
+
+def _band(causal: bool) -> tuple[int, int]:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    return (-1, 0) if causal else (-1, -1)
+
+
+def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int, int]:
+    limit = smem_limit()
+    if block_sizes is None:
+        return K.default_block_sizes(shape.d, shape.dv, dtype, limit, backward)
+    try:
+        Br, Bc = (int(x) for x in block_sizes)
+    except (TypeError, ValueError):
+        raise TypeError(f"block_sizes must be a pair (Br, Bc), got {block_sizes!r}") from None
+    if Br < 1 or Bc < 1:
+        raise ValueError(f"block sizes must be >= 1, got {(Br, Bc)}")
+    kernel = "flash2_bwd_main" if backward else "flash2_fwd"
+    need = K.smem_bytes(kernel, Br, Bc, shape.d, shape.dv, dtype)
+    if need > limit:
+        raise ValueError(f"{kernel} with Br={Br}, Bc={Bc}, d={shape.d}, dv={shape.dv} "
+                         f"({dtype}) needs {need} bytes of shared memory; this device allows "
+                         f"{limit}. Use smaller block_sizes.")
+    return Br, Bc
+
+
+def block_sizes(q, v, *, backward: bool = False) -> tuple[int, int]:
+    """The (Br, Bc) the kernels use by default for these inputs (pass them to
+    `flashsim.simulate` to predict the kernels' traffic)."""
+    qi, vi = _In(q, "q"), _In(v, "v")
+    shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
+    return _blocks(None, shape, qi.dtype, backward)
+
+
+def _launch(cp, kernel, grid, smem: int, args):
+    if 0 in grid:
+        return
+    if grid[1] > _GRID_Y_MAX:
+        raise ValueError(f"{grid[1]} (batch × heads) problems exceed the grid's y limit "
+                         f"{_GRID_Y_MAX}; split the batch")
+    if smem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (THREADS,), args, shared_mem=smem)
+
+
+def _scalar(dtype: str, x: float):
+    return np.float64(x) if dtype == "float64" else np.float32(x)
+
+
+def _traffic(cp, counters) -> Traffic:
+    values = cp.asnumpy(counters).tolist()
+    reads, writes = {}, {}
+    for (tensor, direction), n in zip(K.io_counters(), values):
+        (reads if direction == "read" else writes)[tensor] = int(n)
+    return Traffic(reads, writes)
+
+
+# -- forward ------------------------------------------------------------------------------
+
+def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
+              count_io: bool = False):
+    """FlashAttention-2 forward on the GPU: (out, lse), or (out, lse, traffic) with
+    ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq)."""
+    cp = _cupy()
+    qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
+    shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)
+    dtype = qi.dtype
+    scale = check_scale(scale, shape.d)
+    left, right = _band(causal)
+    Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
+    P, Nq = shape.problems, shape.Nq
+    O = _empty(cp, (P, Nq, shape.dv), _storage(cp, dtype))
+    L = _empty(cp, (P, Nq), cp.float32)
+    io = cp.zeros(len(K.io_counters()), dtype=cp.uint64)
+    smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
+    _launch(cp, _kernel("flash2_fwd", dtype, count_io), (-(-Nq // Br), P), smem,
+            (Q, Kd, Vd, kv_index, O, L, np.int32(Nq), np.int32(shape.Nk), np.int32(shape.d),
+             np.int32(shape.dv), np.int32(Br), np.int32(Bc), np.int32(left),
+             np.int32(right), _scalar(dtype, scale), io))
+    out = _out(cp, O.reshape(shape.batch_shape + (Nq, shape.dv)), dtype, qi.torch)
+    lse = _out(cp, L.reshape(shape.batch_shape + (Nq,)), "float32", qi.torch)
+    return (out, lse, _traffic(cp, io)) if count_io else (out, lse)
+
+
+# -- backward -----------------------------------------------------------------------------
+
+def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=None,
+                       block_sizes=None, count_io: bool = False):
+    """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
+    (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32."""
+    cp = _cupy()
+    qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
+    shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)
+    dtype = qi.dtype
+    oi, doi = _In(out, "out"), _In(dout, "dout")
+    want = shape.batch_shape + (shape.Nq, shape.dv)
+    for name, x in (("out", oi), ("dout", doi)):
+        if x.shape != want:
+            raise ValueError(f"{name} has shape {x.shape}, but q, k, v call for {want}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}, got {x.dtype}")
+    li = _In(lse, "lse") if not isinstance(lse, np.ndarray) else None
+    L = cp.asarray(np.asarray(lse, np.float32)) if li is None else li.arr
+    if li is not None and li.dtype == "bfloat16":
+        raise TypeError("lse must be float32 (or float16/float64), not bfloat16")
+    if tuple(L.shape) != shape.batch_shape + (shape.Nq,):
+        raise ValueError(f"lse has shape {tuple(L.shape)}, but q, k, v call for "
+                         f"{shape.batch_shape + (shape.Nq,)}")
+    L = cp.ascontiguousarray(L.astype(cp.float32, copy=False)).reshape(-1, shape.Nq)
+    scale = check_scale(scale, shape.d)
+    left, right = _band(causal)
+    Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
+    P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv
+    O = oi.arr.reshape(P, Nq, dv)
+    dO = doi.arr.reshape(P, Nq, dv)
+    st = _storage(cp, dtype)
+    D = _empty(cp, (P, Nq), cp.float32)
+    dQacc = _empty(cp, (P, Nq, d), cp.float32)
+    dQ = _empty(cp, (P, Nq, d), st)
+    dK = _empty(cp, (P, Nk, d), st)
+    dV = _empty(cp, (P, Nk, dv), st)
+    io = cp.zeros(len(K.io_counters()), dtype=cp.uint64)
+    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+    i32 = np.int32
+    _launch(cp, _kernel("flash2_bwd_preprocess", dtype, count_io), (Tr, P), 0,
+            (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
+    smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
+    _launch(cp, _kernel("flash2_bwd_main", dtype, count_io), (Tc, P), smem,
+            (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d), i32(dv),
+             i32(Br), i32(Bc), i32(left), i32(right), _scalar(dtype, scale), io))
+    _launch(cp, _kernel("flash2_bwd_postprocess", dtype, count_io), (Tr, P), 0,
+            (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))
+    dq = _reduce(cp, dQ, shape, qi.shape, Nq, d, dtype)
+    dk = _reduce(cp, dK, shape, ki.shape, Nk, d, dtype)
+    dv_ = _reduce(cp, dV, shape, vi.shape, Nk, dv, dtype)
+    res = tuple(_out(cp, x, dtype, qi.torch) for x in (dq, dk, dv_))
+    return res + (_traffic(cp, io),) if count_io else res
+
+
+def _reduce(cp, g, shape: Shape, target: tuple, N: int, w: int, dtype: str):
+    """Per-query-problem gradients → the input's shape: sum over GQA groups and
+    broadcast axes in fp32 (fp64 for float64), then round once."""
+    full = g.reshape(canon_batch(shape) + (N, w))
+    lead = target[:-2]
+    n = max(len(shape.batch_shape), 1)
+    pad = (1,) * (n - len(lead)) + lead
+    # the canonical layout of the target: batch axes, then (heads/g, g) or (hk, 1)
+    if len(pad) and pad[-1] == full.shape[-4] * full.shape[-3]:
+        tgt = pad[:-1] + (full.shape[-4], full.shape[-3])
+    else:
+        tgt = pad[:-1] + (pad[-1], 1)
+    axes = tuple(a for a, (t, f) in enumerate(zip(tgt, full.shape[:-2])) if t == 1 and f != 1)
+    if not axes:
+        return g.reshape(target)
+    summed = _to_f32(cp, full, dtype).sum(axis=axes, keepdims=True)
+    return _from_f32(cp, summed, dtype).reshape(target)

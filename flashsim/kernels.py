@@ -1,0 +1,187 @@
+"""The CUDA kernels as data: where their sources are, which template instances exist,
+their shared-memory needs, and an ahead-of-time build with nvcc that needs no GPU.
+
+Pure Python (no CuPy): `flashsim kernels build --arch sm_90` uses it on CPU machines so
+a kernel that does not compile never lands; `flashsim.gpu` uses the same lists to load
+the kernels through CuPy.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# T of each kernel template: the I/O element type, by its NumPy/PyTorch name.
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+              "float64": "double"}
+ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
+
+# kernel source file -> kernel templates it defines
+SOURCES = {
+    "flash2_ref.cu": ("flash2_fwd", "flash2_bwd_preprocess", "flash2_bwd_main",
+                      "flash2_bwd_postprocess"),
+}
+
+
+def kernel_dir() -> Path:
+    """kernels_cu/: installed beside the package as flashsim/kernels_cu, or the
+    repository's top-level folder when running from a checkout."""
+    installed = Path(__file__).resolve().parent / "kernels_cu"
+    if (installed / "common.cuh").is_file():
+        return installed
+    repo = Path(__file__).resolve().parent.parent / "kernels_cu"
+    if (repo / "common.cuh").is_file():
+        return repo
+    raise FileNotFoundError("the CUDA sources (kernels_cu/common.cuh) are missing from "
+                            "this installation; reinstall flashsim")
+
+
+def io_counters() -> list[tuple[str, str]]:
+    """(tensor, "read"|"write") per counter of the instrumented build, in the order of
+    the IoCounter enum in kernels_cu/common.cuh (read from the header itself, so the two
+    cannot drift apart)."""
+    text = (kernel_dir() / "common.cuh").read_text()
+    body = re.search(r"enum\s+IoCounter\s*\{(.*?)\}", text, re.S).group(1)
+    names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
+    out = []
+    for n in names:
+        if n == "IO_NUM_COUNTERS":
+            break
+        m = re.fullmatch(r"IO_(\w+)_([RW])", n)
+        if not m:
+            raise ValueError(f"unexpected I/O counter name {n!r} in common.cuh")
+        out.append((m.group(1), "read" if m.group(2) == "R" else "write"))
+    return out
+
+
+def name_expressions(source: str = "flash2_ref.cu") -> list[str]:
+    return [f"{k}<{t}>" for k in SOURCES[source] for t in CUDA_TYPES.values()]
+
+
+# -- tile shapes --------------------------------------------------------------------------
+
+def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> int:
+    """Dynamic shared memory of one CTA (arrays of the accumulation type, see the
+    kernel's smem layout)."""
+    a = ACC_BYTES[dtype]
+    if kernel == "flash2_fwd":
+        return (Br * d + Bc * d + Bc * dv + Br * Bc + Br * dv + 3 * Br) * a
+    if kernel == "flash2_bwd_main":
+        return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
+    return 0
+
+
+BLOCK_CHOICES = (64, 32, 16, 8, 4, 2, 1)
+
+
+def default_block_sizes(d: int, dv: int, dtype: str, smem_limit: int,
+                        backward: bool = False) -> tuple[int, int]:
+    """The largest square tile B×B (B in 64, 32, 16, …) whose CTA fits ``smem_limit``
+    bytes; pass these to `flashsim.simulate` to predict the kernel's traffic."""
+    kernel = "flash2_bwd_main" if backward else "flash2_fwd"
+    for B in BLOCK_CHOICES:
+        if smem_bytes(kernel, B, B, d, dv, dtype) <= smem_limit:
+            return B, B
+    raise ValueError(f"no tile fits {smem_limit} bytes of shared memory at d={d}, dv={dv}")
+
+
+# -- ahead-of-time build --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BuildRow:
+    kernel: str
+    dtype: str
+    instrumented: bool
+    registers: int
+    smem_static: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _demangled_instances(source: str):
+    """(mangled-name prefix, kernel, dtype): the Itanium mangling of kernel<T> starts
+    with _Z<len><name>I<type code>."""
+    codes = {"float16": "6__half", "bfloat16": "13__nv_bfloat16", "float32": "f",
+             "float64": "d"}
+    for k in SOURCES[source]:
+        for dt, code in codes.items():
+            yield f"_Z{len(k)}{k}I{code}E", k, dt
+
+
+def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str = "flash2_ref.cu",
+          instrumented: bool | None = None) -> list[BuildRow]:
+    """Compile every kernel instance with nvcc (no GPU needed) and return ptxas's
+    registers, static shared memory, stack and spill bytes per instance. Raises
+    RuntimeError with the compiler's output if anything fails to compile."""
+    if not re.fullmatch(r"sm_\d{2,3}a?", arch):
+        raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc is not on PATH; install the CUDA toolkit to build")
+    rows: list[BuildRow] = []
+    modes = (False, True) if instrumented is None else (instrumented,)
+    kdir = kernel_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        inst = Path(tmp) / "instances.cu"
+        refs = ",\n    ".join(f"(void*)&{e}" for e in name_expressions(source))
+        inst.write_text(f'#include "{source}"\n'
+                        f"void* flashsim_instances[] = {{\n    {refs}\n}};\n")
+        for count_io in modes:
+            cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                   f"-I{kdir}", "-o", str(Path(tmp) / "out.cubin"), str(inst)]
+            if count_io:
+                cmd.insert(1, "-DFLASHSIM_COUNT_IO")
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+            rows += _parse_ptxas(proc.stderr, source, count_io)
+    return rows
+
+
+def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:
+    names = {prefix: (k, dt) for prefix, k, dt in _demangled_instances(source)}
+    rows, current, info = [], None, {}
+
+    def flush():
+        if current is not None:
+            k, dt = current
+            rows.append(BuildRow(k, dt, count_io, info.get("regs", 0), info.get("smem", 0),
+                                 info.get("stack", 0), info.get("st", 0), info.get("ld", 0)))
+
+    for line in log.splitlines():
+        m = _PTXAS_FUNC.search(line)
+        if m:
+            flush()
+            current = next((v for p, v in names.items() if m.group(1).startswith(p)), None)
+            info = {}
+            continue
+        if (m := _PTXAS_USED.search(line)):
+            info["regs"] = int(m.group(1))
+            if (s := _PTXAS_SMEM.search(line)):
+                info["smem"] = int(s.group(1))
+        if (m := _PTXAS_STACK.search(line)):
+            info["stack"], info["st"], info["ld"] = map(int, m.groups())
+    flush()
+    return rows
+
+
+def format_build(rows: list[BuildRow], arch: str) -> str:
+    head = f"{'kernel':<26}{'dtype':<10}{'build':<14}{'regs':>5}{'smem':>7}{'stack':>7}{'spill st/ld':>13}"
+    lines = [f"kernels built for {arch} (dynamic shared memory is sized per launch)", head,
+             "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.dtype)):
+        build_kind = "instrumented" if r.instrumented else "fast path"
+        lines.append(f"{r.kernel:<26}{r.dtype:<10}{build_kind:<14}{r.registers:>5}"
+                     f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}")
+    return "\n".join(lines)

@@ -1,0 +1,268 @@
+"""The GPU kernels against the simulator: same outputs (to each dtype's precision), and
+byte for byte the same HBM traffic in the instrumented build.
+
+Marked `gpu`: skipped where CuPy or a CUDA device is missing. Run on a GPU machine from
+the repository root: python3 -m pytest -m gpu --hypothesis-profile=gpu tests/test_gpu.py
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashsim as fs
+from flashsim.precision import make_precision
+from flashsim.strategies import random_tensor
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fs.gpu.available(), reason="no CuPy or no CUDA device")]
+
+try:
+    import torch
+    HAVE_TORCH = torch.cuda.is_available()
+except ImportError:
+    HAVE_TORCH = False
+
+DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if HAVE_TORCH else [])
+SEQS = (1, 7, 113, 128, 203, 1023)
+HEAD_DIMS = (1, 3, 16, 32, 40, 59, 64, 96, 111, 128, 160, 256)
+EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
+
+@st.composite
+def gpu_problems(draw, max_seq=1023):
+    Nq = draw(st.one_of(st.sampled_from([n for n in SEQS if n <= max_seq]),
+                        st.integers(1, min(max_seq, 300))))
+    Nk = draw(st.one_of(st.sampled_from([n for n in SEQS if n <= max_seq]),
+                        st.integers(1, min(max_seq, 300))))
+    d = draw(st.sampled_from(HEAD_DIMS))
+    dv = draw(st.one_of(st.just(d), st.sampled_from(HEAD_DIMS)))
+    dtype = draw(st.sampled_from(DTYPES))
+    hk = draw(st.integers(1, 2))
+    g = draw(st.sampled_from([1, 2, 3]))
+    B = draw(st.integers(1, 2))
+    # keep one launch small enough for the float64 simulator on the host
+    while B * hk * g * Nq * Nk > 1_500_000 and (B > 1 or g > 1 or hk > 1):
+        B, g, hk = 1, 1, max(1, hk - 1)
+    causal = draw(st.booleans())
+    blocks = draw(st.one_of(st.none(), st.tuples(st.sampled_from([1, 16, 24, 32, 64]),
+                                                 st.sampled_from([8, 16, 48, 64]))))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rnd = make_precision("kernel", dtype).io_round   # the exact values the kernel sees
+    q = rnd(random_tensor(rng, (B, hk * g, Nq, d))).astype(np.float64)
+    k = rnd(random_tensor(rng, (B, hk, Nk, d))).astype(np.float64)
+    v = rnd(random_tensor(rng, (B, hk, Nk, dv))).astype(np.float64)
+    return q, k, v, dtype, causal, blocks
+
+
+def dev(x, dtype):
+    if dtype == "bfloat16":
+        return torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+    import cupy as cp
+    return cp.asarray(x.astype(dtype))
+
+
+def host(x):
+    if HAVE_TORCH and isinstance(x, torch.Tensor):
+        return x.float().cpu().numpy().astype(np.float64)
+    import cupy as cp
+    return cp.asnumpy(x).astype(np.float64)
+
+
+def fits(blocks, shape_d, shape_dv, dtype, backward=False):
+    kernel = "flash2_bwd_main" if backward else "flash2_fwd"
+    return fs.kernels.smem_bytes(kernel, *blocks, shape_d, shape_dv, dtype) <= fs.gpu.smem_limit()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output buffer starts as NaN (all-ones bits), so an unwritten element shows."""
+    import cupy as cp
+
+    def empty(_cp, shape, dtype):
+        a = cp.empty(shape, dtype=dtype)
+        a.view(cp.uint8).fill(0xFF)
+        return a
+    monkeypatch.setattr(fs.gpu, "_empty", empty)
+
+
+def same_dtype_error(q, k, v, dtype, causal, ref_out, dout=None, ref_grads=None):
+    """Largest error of dense attention computed in `dtype` itself, per output."""
+    B, H = q.shape[:2]
+    g = H // k.shape[1]
+    errs = np.zeros(4)
+    for b in range(B):
+        for h in range(H):
+            res = fs.attention_same_dtype(q[b, h], k[b, h // g], v[b, h // g],
+                                          None if dout is None else dout[b, h],
+                                          io_dtype=dtype, causal=causal)
+            res = (res,) if dout is None else res
+            errs[0] = max(errs[0], np.abs(res[0] - ref_out[b, h]).max(initial=0))
+            if dout is not None:
+                for n, x in enumerate(res[1:]):
+                    ref = ref_grads[n]
+                    ref = ref[b, h] if n == 0 else ref[b, h]
+                    errs[n + 1] = max(errs[n + 1], np.abs(x - ref).max(initial=0))
+    return errs
+
+
+@given(gpu_problems())
+def test_forward_matches_simulator(poisoned, problem):
+    q, k, v, dtype, causal, blocks = problem
+    if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype):
+        blocks = None
+    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    out, lse, traffic = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
+                                         count_io=True)
+    out_fast, lse_fast = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks)
+    out, lse, out_fast, lse_fast = map(host, (out, lse, out_fast, lse_fast))
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output was not written"
+    np.testing.assert_array_equal(out, out_fast)     # instrumenting changes no result
+    np.testing.assert_array_equal(lse, lse_fast)
+
+    used = blocks or fs.gpu.block_sizes(qd, vd)
+    sim = fs.simulate(q, k, v, "flash2", block_sizes=used, causal=causal, io_dtype=dtype)
+    assert traffic == sim.traffic, traffic.diff(sim.traffic)
+    simk = fs.simulate(q, k, v, "flash2", block_sizes=used, causal=causal, io_dtype=dtype,
+                       precision="kernel")
+    vmax = max(1.0, np.abs(v).max())
+    fin = np.isfinite(sim.lse)
+    assert np.array_equal(np.isneginf(lse), ~fin)
+    if dtype in ("float32", "float64"):
+        tol = 1e-5 if dtype == "float32" else 1e-12
+        np.testing.assert_allclose(out, sim.out, rtol=tol, atol=tol * vmax)
+        # L is stored in fp32 by every kernel, as FlashAttention stores it
+        np.testing.assert_allclose(lse[fin], sim.lse[fin], rtol=2e-7 if dtype == "float64" else 1e-5,
+                                   atol=1e-6)
+    else:
+        err = np.abs(out - sim.out).max(initial=0)
+        base = same_dtype_error(q, k, v, dtype, causal, sim.out)[0]
+        # FlashAttention's rule, plus one rounding of the output to the I/O type
+        assert err <= 2 * base + EPS[dtype] * np.abs(sim.out).max(initial=0), (err, base)
+        np.testing.assert_allclose(lse[fin], sim.lse[fin], rtol=1e-5, atol=1e-5)
+    # against the kernel-precision simulator the only difference left is fp32 summation
+    # order: a few I/O-type roundings of P or of the output may fall the other way
+    tight = 4 * EPS[dtype] if dtype in ("float16", "bfloat16") else 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(out, simk.out, rtol=tight, atol=tight * vmax)
+    np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=2e-7, atol=1e-6)
+
+
+@given(gpu_problems(max_seq=400))
+def test_backward_matches_simulator(poisoned, problem):
+    q, k, v, dtype, causal, blocks = problem
+    if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype, backward=True):
+        blocks = None
+    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    out, lse = fs.gpu.attention(qd, kd, vd, causal=causal)
+    rng = np.random.default_rng(0)
+    dout = make_precision("kernel", dtype).io_round(rng.standard_normal(host(out).shape)).astype(np.float64)
+    dq, dk, dv, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+                                                    causal=causal, block_sizes=blocks,
+                                                    count_io=True)
+    dq, dk, dv = map(host, (dq, dk, dv))
+    assert not any(np.isnan(x).any() for x in (dq, dk, dv)), "a gradient was not written"
+    used = blocks or fs.gpu.block_sizes(qd, vd, backward=True)
+    o, L = host(out), host(lse)
+    sim = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=used,
+                               causal=causal, io_dtype=dtype)
+    assert traffic == sim.traffic, traffic.diff(sim.traffic)
+    simk = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=used,
+                                causal=causal, io_dtype=dtype, precision="kernel")
+    for name, a, b, bk in zip(("dq", "dk", "dv"), (dq, dk, dv), (sim.dq, sim.dk, sim.dv),
+                              (simk.dq, simk.dk, simk.dv)):
+        scale = max(1.0, np.abs(b).max(initial=0))
+        if dtype in ("float32", "float64"):
+            # D and the dQ accumulator are fp32 in every kernel, as in FlashAttention
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+        np.testing.assert_allclose(a, bk, rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-5,
+                                   atol=(8 * EPS[dtype] if dtype in ("float16", "bfloat16") else 1e-6) * scale,
+                                   err_msg=name)
+    if dtype in ("float16", "bfloat16"):
+        ref = fs.attention_backward_reference(q, k, v, dout, causal=causal)
+        ref_out = fs.attention_reference(q, k, v, causal=causal)[0]
+        # the same-dtype baseline per query head; dk, dv summed per K/V head there too
+        g = q.shape[1] // k.shape[1]
+        ref_rep = (ref[0], np.repeat(ref[1], g, axis=1) / 1.0, np.repeat(ref[2], g, axis=1))
+        errs = _same_dtype_grad_errors(q, k, v, dout, dtype, causal, ref)
+        for n, (name, a) in enumerate(zip(("dq", "dk", "dv"), (dq, dk, dv))):
+            err = np.abs(a - ref[n]).max(initial=0)
+            assert err <= 3 * errs[n] + EPS[dtype] * np.abs(ref[n]).max(initial=0), (name, err, errs[n])
+
+
+def _same_dtype_grad_errors(q, k, v, dout, dtype, causal, ref):
+    """Max error of the same-dtype dense backward, with dk, dv summed over GQA groups
+    like the kernels' results."""
+    B, H = q.shape[:2]
+    hk = k.shape[1]
+    g = H // hk
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    for b in range(B):
+        for h in range(H):
+            _, a, c, e = fs.attention_same_dtype(q[b, h], k[b, h // g], v[b, h // g],
+                                                 dout[b, h], io_dtype=dtype, causal=causal)
+            dq[b, h] = a
+            dk[b, h // g] += c
+            dv[b, h // g] += e
+    return [np.abs(x - r).max(initial=0) for x, r in zip((dq, dk, dv), ref)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_and_large_logits(poisoned, dtype):
+    rng = np.random.default_rng(3)
+    rnd = make_precision("kernel", dtype).io_round
+    q = rnd(rng.standard_normal((1, 2, 150, 64)) * 8).astype(np.float64)    # logits ~ 1e2-1e3
+    k = rnd(rng.standard_normal((1, 2, 60, 64)) * 8).astype(np.float64)
+    v = rnd(rng.standard_normal((1, 2, 60, 64))).astype(np.float64)
+    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    out, lse = fs.gpu.attention(qd, kd, vd, causal=True)   # rows 0..89 see no key
+    o, L = host(out), host(lse)
+    assert not np.isnan(o).any() and (o[..., :90, :] == 0).all()
+    assert np.isneginf(L[..., :90]).all() and np.isfinite(L[..., 90:]).all()
+    dout = dev(rnd(rng.standard_normal(o.shape)).astype(np.float64), dtype)
+    dq, dk, dv = map(host, fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=True))
+    assert all(np.isfinite(x).all() for x in (dq, dk, dv))
+    assert (dq[..., :90, :] == 0).all()
+
+
+def test_numpy_in_cupy_out_and_errors():
+    import cupy as cp
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 33, 16)).astype(np.float32) for _ in range(3))
+    out, lse = fs.gpu.attention(q, k, v)
+    assert isinstance(out, cp.ndarray) and out.dtype == cp.float32 and lse.dtype == cp.float32
+    ref = fs.attention_reference(q, k, v)
+    np.testing.assert_allclose(cp.asnumpy(out), ref[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="share one dtype"):
+        fs.gpu.attention(q, k.astype(np.float16), v)
+    with pytest.raises(ValueError, match="head dim"):
+        fs.gpu.attention(q, k[..., :8], v)
+    with pytest.raises(ValueError, match="shared memory"):
+        fs.gpu.attention(q, k, v, block_sizes=(4096, 4096))
+    with pytest.raises(TypeError, match="float16, bfloat16"):
+        fs.gpu.attention(q.astype(np.int32), k.astype(np.int32), v.astype(np.int32))
+    with pytest.raises(ValueError, match="up to 256"):
+        w = np.ones((4, 300), np.float32)
+        fs.gpu.attention(w, w, w)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
+def test_torch_in_torch_out_without_copy():
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 4, 77, 64))).to("cuda", torch.bfloat16)
+               for _ in range(3))
+    out, lse = fs.gpu.attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                           is_causal=True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+def test_deterministic_outputs_for_the_forward():
+    import cupy as cp
+    rng = np.random.default_rng(6)
+    q, k, v = (cp.asarray(rng.standard_normal((2, 3, 200, 64)).astype(np.float16)) for _ in range(3))
+    a = fs.gpu.attention(q, k, v)[0]
+    b = fs.gpu.attention(q, k, v)[0]
+    assert bool((a == b).all())
