@@ -144,7 +144,10 @@ def test_forward_matches_simulator(poisoned, problem):
     # order: a few I/O-type roundings of P or of the output may fall the other way
     tight = 4 * EPS[dtype] if dtype in ("float16", "bfloat16") else 1e-5 if dtype == "float32" else 1e-12
     np.testing.assert_allclose(out, simk.out, rtol=tight, atol=tight * vmax)
-    np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=2e-7, atol=1e-6)
+    # L: one fp32 rounding for float64 kernels; for the others fp32 sums of up to Nk
+    # terms in another order plus the device's expf/logf (a few ulps)
+    np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=2e-7 if dtype == "float64" else 4e-6,
+                               atol=1e-6)
 
 
 @given(gpu_problems(max_seq=400))
