@@ -171,25 +171,21 @@ def test_backward_matches_simulator(poisoned, problem):
     assert traffic == sim.traffic, traffic.diff(sim.traffic)
     simk = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=used,
                                 causal=causal, io_dtype=dtype, precision="kernel")
-    for name, a, b, bk in zip(("dq", "dk", "dv"), (dq, dk, dv), (sim.dq, sim.dk, sim.dv),
-                              (simk.dq, simk.dk, simk.dv)):
-        scale = max(1.0, np.abs(b).max(initial=0))
-        if dtype in ("float32", "float64"):
-            # D and the dQ accumulator are fp32 in every kernel, as in FlashAttention
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
-        np.testing.assert_allclose(a, bk, rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-5,
-                                   atol=(8 * EPS[dtype] if dtype in ("float16", "bfloat16") else 1e-6) * scale,
-                                   err_msg=name)
-    if dtype in ("float16", "bfloat16"):
-        ref = fs.attention_backward_reference(q, k, v, dout, causal=causal)
-        ref_out = fs.attention_reference(q, k, v, causal=causal)[0]
-        # the same-dtype baseline per query head; dk, dv summed per K/V head there too
-        g = q.shape[1] // k.shape[1]
-        ref_rep = (ref[0], np.repeat(ref[1], g, axis=1) / 1.0, np.repeat(ref[2], g, axis=1))
-        errs = _same_dtype_grad_errors(q, k, v, dout, dtype, causal, ref)
-        for n, (name, a) in enumerate(zip(("dq", "dk", "dv"), (dq, dk, dv))):
-            err = np.abs(a - ref[n]).max(initial=0)
-            assert err <= 3 * errs[n] + EPS[dtype] * np.abs(ref[n]).max(initial=0), (name, err, errs[n])
+    # FlashAttention's rule for gradients against the float64 result: at most 3× the
+    # error of dense attention computed in the same dtype, plus one output rounding. A
+    # float64 kernel keeps L, D and the dQ accumulator in fp32, so its yardstick is fp32.
+    base_dtype = "float32" if dtype == "float64" else dtype
+    ref = (sim.dq, sim.dk, sim.dv)
+    errs = _same_dtype_grad_errors(q, k, v, dout, base_dtype, causal, ref)
+    for n, name in enumerate(("dq", "dk", "dv")):
+        a, r, rk = (dq, dk, dv)[n], ref[n], (simk.dq, simk.dk, simk.dv)[n]
+        floor = EPS[base_dtype] * np.abs(r).max(initial=0)
+        err = np.abs(a - r).max(initial=0)
+        assert err <= 3 * errs[n] + floor, (name, err, errs[n])
+        # the simulated twin of the kernel (same roundings) differs by less than the
+        # same-dtype baseline's own error
+        err_k = np.abs(a - rk).max(initial=0)
+        assert err_k <= errs[n] + floor, (name, err_k, errs[n])
 
 
 def _same_dtype_grad_errors(q, k, v, dout, dtype, causal, ref):
