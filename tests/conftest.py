@@ -12,7 +12,7 @@ settings.register_profile(
     "dev", max_examples=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
-    "gpu", max_examples=40, deadline=None, derandomize=False,
+    "gpu", max_examples=100, deadline=None, derandomize=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                            HealthCheck.function_scoped_fixture])
 settings.load_profile("ci")

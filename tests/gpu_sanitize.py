@@ -1,0 +1,62 @@
+"""A fuzzed set of launches of every kernel, for compute-sanitizer (not a pytest file).
+
+    for tool in memcheck racecheck initcheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 1 python3 tests/gpu_sanitize.py
+    done
+
+Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
+fast and the instrumented builds, forward and backward.
+"""
+
+import sys
+
+import numpy as np
+
+sys.path.insert(0, ".")
+import flashsim as fs  # noqa: E402
+
+try:
+    import torch
+    HAVE_TORCH = torch.cuda.is_available()
+except ImportError:
+    HAVE_TORCH = False
+
+
+def dev(x, dtype):
+    if dtype == "bfloat16":
+        return torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+    import cupy as cp
+    return cp.asarray(x.astype(dtype))
+
+
+def main(n_cases: int = 6) -> int:
+    rng = np.random.default_rng(0)
+    dtypes = ["float16", "float32", "float64"] + (["bfloat16"] if HAVE_TORCH else [])
+    launches = 0
+    for case in range(n_cases):
+        Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
+        d = int(rng.choice([3, 16, 40, 64, 96]))
+        dv = int(rng.choice([d, 8, 24]))
+        hk, g = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+        blocks = [None, (16, 32), (7, 5)][case % 3]
+        for dtype in dtypes:
+            for causal in (False, True):
+                q = rng.standard_normal((2, hk * g, Nq, d))
+                k = rng.standard_normal((2, hk, Nk, d))
+                v = rng.standard_normal((2, hk, Nk, dv))
+                qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+                for count_io in (False, True):
+                    out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
+                                                count_io=count_io)[:2]
+                    dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
+                    fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
+                                              block_sizes=blocks, count_io=count_io)
+                    launches += 4
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+    print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × 2 builds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
