@@ -130,8 +130,11 @@ def test_forward_matches_simulator(poisoned, problem):
     assert np.array_equal(np.isneginf(lse), ~fin)
     # P = exp(S − L) is only as good as S: a relative error of κ = eps·√d·scale·Σ|q||k|
     kappa32, kappa = s_condition(q, k, "float32"), s_condition(q, k, dtype)
-    if dtype == "float64":
-        np.testing.assert_allclose(out, sim.out, rtol=1e-12, atol=max(1e-12, 4 * kappa) * vmax)
+    if dtype in ("float32", "float64"):
+        # 1e-5 / 1e-12 relative, unless the logits are so large that exp's condition
+        # number (κ) says the dtype cannot do better
+        tol = 1e-5 if dtype == "float32" else 1e-12
+        np.testing.assert_allclose(out, sim.out, rtol=tol, atol=max(tol, 4 * kappa) * vmax)
     else:
         err = np.abs(out - sim.out).max(initial=0)
         base = same_dtype_error(q, k, v, dtype, causal, sim.out)[0]
@@ -327,8 +330,9 @@ def test_odd_shapes(poisoned, Nq, Nk, d, dtype, causal):
     sim = fs.simulate(q, k, v, "flash2", block_sizes=used, causal=causal, io_dtype=dtype)
     assert traffic == sim.traffic
     err = np.abs(o - sim.out).max()
-    if dtype == "float64":
-        bound = max(1e-12, 4 * s_condition(q, k, dtype)) * max(1, np.abs(v).max())
+    if dtype in ("float32", "float64"):
+        tol = 1e-5 if dtype == "float32" else 1e-12
+        bound = max(tol, 4 * s_condition(q, k, dtype)) * max(1, np.abs(v).max())
         assert err <= bound, (err, bound)
     else:
         base = same_dtype_error(q, k, v, dtype, causal, sim.out)[0]
