@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "FlashAttention-1 and FlashAttention-2 on a two-level memory. "
                     "With no command, runs a built-in example (N = 2048, d = 64, "
                     "float16, SRAM 192 KiB).",
-        epilog="Run 'flashsim simulate --help' or 'flashsim sweep --help' for each command.")
-    sub = p.add_subparsers(dest="command", metavar="{simulate,sweep}")
+        epilog="Run 'flashsim simulate --help', 'flashsim sweep --help' or "
+               "'flashsim kernels build --help' for each command.")
+    sub = p.add_subparsers(dest="command", metavar="{simulate,sweep,kernels}")
 
     s = sub.add_parser(
         "simulate", help="run one algorithm on one problem and count its HBM traffic",
@@ -155,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--plot", metavar="FILE",
                    help="write a log-log plot (needs matplotlib: pip install \"flashsim[analysis]\")")
     w.add_argument("--csv", metavar="FILE", help="write the numbers as CSV")
+    kp = sub.add_parser("kernels", help="the CUDA kernels: build them ahead of time",
+                        description="Work with the CUDA kernels in kernels_cu/.")
+    ksub = kp.add_subparsers(dest="kernels_command", metavar="{build}", required=True)
+    kb = ksub.add_parser(
+        "build", help="compile every kernel variant with nvcc (no GPU needed)",
+        description="Compile every kernel the package can launch (each dtype, the fast "
+                    "and the instrumented build) with nvcc, and print registers, static "
+                    "shared memory, stack and spill bytes per variant. Fails if any "
+                    "variant does not compile.")
+    kb.add_argument("--arch", action="append", default=None,
+                    help="target, e.g. sm_90 or sm_80 (repeatable; default sm_90)")
+    kb.add_argument("--nvcc", default=None, help="the nvcc to use (default: from PATH)")
     return p
 
 
@@ -524,6 +537,19 @@ def _plot(plt, rows, args) -> None:
     plt.close(fig)
 
 
+def run_kernels_build(args) -> int:
+    from . import kernels
+    spilled = False
+    for arch in args.arch or ["sm_90"]:
+        rows = kernels.build(arch, nvcc=args.nvcc)
+        print(kernels.format_build(rows, arch))
+        print()
+        spilled |= any(r.spill_stores or r.spill_loads for r in rows)
+    if spilled:
+        print("note: some variants spill registers to local memory (see 'spill st/ld')")
+    return 0
+
+
 # -- entry point ------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -534,8 +560,10 @@ def main(argv=None) -> int:
             return run_default()
         if args.command == "simulate":
             return run_simulate(args)
+        if args.command == "kernels":
+            return run_kernels_build(args)
         return run_sweep(args)
-    except (ValueError, TypeError, OSError, _MissingMatplotlib) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, _MissingMatplotlib) as e:
         # ValueError covers fs.SRAMOverflowError; OSError an unwritable --csv/--plot path
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
