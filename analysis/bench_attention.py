@@ -1,0 +1,174 @@
+"""Side-by-side GPU timing of attention, forward and backward, in one process.
+
+    python3 analysis/bench_attention.py [--quick] [--out analysis/out/bench]
+
+Times, with CUDA events after warm-up (median of --reps), on inputs several times the
+L2 size: flashsim's kernels (`fs.gpu`), a dense CuPy attention (matmul, softmax,
+matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
+efficient and math backends when PyTorch is present. Grid: float16 and bfloat16;
+d ∈ {64, 128}; N ∈ {512 … 16k} with batch·N = 16k tokens and heads = 2048/d; causal
+and not. TFLOP/s by FlashAttention's convention: forward 4·B·H·N²·d (halved when
+causal), backward 2.5× that. Writes bench.md (table), bench.json (GPU, versions, date,
+every number) and bench.png (when matplotlib is there), and prints each flashsim
+kernel's ratio to SDPA-flash and to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import flashsim as fs  # noqa: E402
+
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def flops(B, H, N, d, causal, backward=False):
+    f = 4 * B * H * N * N * d / (2 if causal else 1)
+    return f * (2.5 if backward else 1.0)
+
+
+def timer(cp, fn, warmup=3, reps=10):
+    """Median milliseconds of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def dense_cupy(cp, q, k, v, causal, scale):
+    """Unfused attention: S and P materialised (float16, fp32 softmax)."""
+    S = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32) * scale
+    if causal:
+        N = S.shape[-1]
+        S = cp.where(cp.tri(N, dtype=bool), S, -cp.inf)
+    S -= S.max(axis=-1, keepdims=True)
+    P = cp.exp(S)
+    P /= P.sum(axis=-1, keepdims=True)
+    return cp.matmul(P.astype(q.dtype), v)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "bench"))
+    ap.add_argument("--kernels", default="ref", help="flashsim kernels to time, comma-separated")
+    a = ap.parse_args(argv)
+    import cupy as cp
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    os.makedirs(a.out, exist_ok=True)
+    dev = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
+    Ns = [1024, 4096, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    dtypes = ["float16"] if a.quick else ["float16", "bfloat16"]
+    rows = []
+    rng = np.random.default_rng(0)
+    backends = {}
+    if have_torch:
+        backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}
+    for dtype in dtypes:
+        for d in (64, 128):
+            H = HIDDEN // d
+            for N in Ns:
+                B = TOKENS // N
+                for causal in (False, True):
+                    scale = 1 / math.sqrt(d)
+                    tdt = getattr(torch, dtype) if have_torch else None
+                    if have_torch:
+                        q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=tdt)
+                                       for _ in range(4))
+                    else:
+                        q, k, v, do = (cp.asarray(rng.standard_normal((B, H, N, d)).astype(dtype))
+                                       for _ in range(4))
+                    ff, fb = flops(B, H, N, d, causal), flops(B, H, N, d, causal, True)
+                    cfg = dict(dtype=dtype, d=d, N=N, B=B, H=H, causal=causal)
+
+                    def add(name, fwd_ms, bwd_ms):
+                        rows.append({**cfg, "impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                                     "fwd_tflops": ff / fwd_ms / 1e9 if fwd_ms else None,
+                                     "bwd_tflops": fb / bwd_ms / 1e9 if bwd_ms else None})
+                        print(f"{dtype} d={d} N={N} causal={causal} {name}: "
+                              f"fwd {fwd_ms and round(ff / fwd_ms / 1e9, 1)} TF/s, "
+                              f"bwd {bwd_ms and round(fb / bwd_ms / 1e9, 1)} TF/s", flush=True)
+
+                    for kern in a.kernels.split(","):
+                        out, lse = fs.gpu.attention(q, k, v, causal=causal)
+                        fwd = timer(cp, lambda: fs.gpu.attention(q, k, v, causal=causal),
+                                    reps=a.reps)
+                        bwd = timer(cp, lambda: fs.gpu.attention_backward(
+                            q, k, v, out, lse, do, causal=causal), reps=a.reps)
+                        add(f"flashsim-{kern}", fwd, bwd)
+                    if dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
+                        qc, kc, vc = (cp.from_dlpack(x) if have_torch else x for x in (q, k, v))
+                        add("dense-cupy", timer(cp, lambda: dense_cupy(cp, qc, kc, vc, causal, scale),
+                                                reps=a.reps), None)
+                    for name, be in backends.items():
+                        if name == "sdpa-math" and B * H * N * N * 4 > 8 * 2**30:
+                            continue
+                        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+                        try:
+                            with sdpa_kernel(be):
+                                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                                fwd = timer(cp, lambda: F.scaled_dot_product_attention(
+                                    qg, kg, vg, is_causal=causal), reps=a.reps)
+                                bwd = timer(cp, lambda: torch.autograd.grad(
+                                    o, (qg, kg, vg), do, retain_graph=True), reps=a.reps)
+                        except RuntimeError as e:   # backend not available for this shape
+                            print(f"  {name}: {str(e).splitlines()[0][:80]}")
+                            continue
+                        add(name, fwd, bwd)
+                    del q, k, v, do
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
+            "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
+            "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
+            "timing": f"CUDA events, median of {a.reps} after 3 warm-ups"}
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = [f"# Attention, forward and backward TFLOP/s — {gpu}, {meta['date']}", "",
+          f"batch·N = {TOKENS} tokens, heads = {HIDDEN}/d; {meta['timing']}; "
+          f"CuPy {meta['cupy']}, PyTorch {meta['torch']}.", "",
+          "| dtype | d | N | causal | impl | fwd TF/s | bwd TF/s | fwd vs flash | fwd vs cuDNN | bwd vs flash |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    ref = {(r["dtype"], r["d"], r["N"], r["causal"], r["impl"]): r for r in rows}
+    for r in rows:
+        key = (r["dtype"], r["d"], r["N"], r["causal"])
+        fl, cu = ref.get(key + ("sdpa-flash",)), ref.get(key + ("sdpa-cudnn",))
+
+        def ratio(x, y, field):
+            return f"{x[field] / y[field]:.2f}" if x.get(field) and y and y.get(field) else ""
+        md.append(f"| {r['dtype']} | {r['d']} | {r['N']} | {r['causal']} | {r['impl']} | "
+                  f"{r['fwd_tflops'] or 0:.1f} | {(r['bwd_tflops'] or 0):.1f} | "
+                  f"{ratio(r, fl, 'fwd_tflops')} | {ratio(r, cu, 'fwd_tflops')} | "
+                  f"{ratio(r, fl, 'bwd_tflops')} |")
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md[-len(rows):]) if len(rows) < 60 else f"{len(rows)} rows written")
+
+
+if __name__ == "__main__":
+    main()
