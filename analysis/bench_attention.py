@@ -70,7 +70,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "bench"))
-    ap.add_argument("--kernels", default="ref", help="flashsim kernels to time, comma-separated")
+    ap.add_argument("--kernels", default="tc,ref", help="flashsim kernels to time, comma-separated")
+    ap.add_argument("--only", default=None, help="implementations to time, comma-separated "
+                    "(default: all)")
     a = ap.parse_args(argv)
     import cupy as cp
     try:
@@ -117,11 +119,13 @@ def main(argv=None):
                               f"bwd {bwd_ms and round(fb / bwd_ms / 1e9, 1)} TF/s", flush=True)
 
                     for kern in a.kernels.split(","):
-                        out, lse = fs.gpu.attention(q, k, v, causal=causal)
-                        fwd = timer(cp, lambda: fs.gpu.attention(q, k, v, causal=causal),
-                                    reps=a.reps)
+                        out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kern)
+                        fwd = timer(cp, lambda: fs.gpu.attention(q, k, v, causal=causal,
+                                                                 kernel=kern), reps=a.reps)
+                        # the backward has a reference rung only, so far
                         bwd = timer(cp, lambda: fs.gpu.attention_backward(
-                            q, k, v, out, lse, do, causal=causal), reps=a.reps)
+                            q, k, v, out, lse, do, causal=causal), reps=a.reps) \
+                            if kern == "ref" else None
                         add(f"flashsim-{kern}", fwd, bwd)
                     if dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
                         qc, kc, vc = (cp.from_dlpack(x) if have_torch else x for x in (q, k, v))

@@ -76,17 +76,44 @@ def compile_options(count_io: bool) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(count_io: bool, device: int):
+def _module(source: str, count_io: bool, device: int):
     cp = _cupy()
-    source = (K.kernel_dir() / "flash2_ref.cu").read_text()
-    return cp.RawModule(code=source, options=compile_options(count_io),
-                        name_expressions=K.name_expressions("flash2_ref.cu"))
+    code = (K.kernel_dir() / source).read_text()
+    return cp.RawModule(code=code, options=compile_options(count_io),
+                        name_expressions=K.name_expressions(source))
 
 
-def _kernel(name: str, dtype: str, count_io: bool):
+def _kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
     cp = _cupy()
-    return _module(count_io, cp.cuda.Device().id).get_function(
-        f"{name}<{K.CUDA_TYPES[dtype]}>")
+    if name == "flash2_fwd_tc":
+        source, expr = "flash2_tc.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
+    else:
+        source, expr = "flash2_ref.cu", f"{name}<{K.CUDA_TYPES[dtype]}>"
+    return _module(source, count_io, cp.cuda.Device().id).get_function(expr)
+
+
+KERNELS = ("auto", "ref", "tc")
+
+
+def _tc_supports(shape: Shape, dtype: str, block_sizes) -> bool:
+    return (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS
+            and (block_sizes is None or tuple(block_sizes) == K.TC_BLOCKS))
+
+
+def _choose(kernel: str, shape: Shape, dtype: str, block_sizes) -> str:
+    """"tc" (tensor cores) where it supports the inputs, else "ref"."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "ref":
+        return "ref"
+    if _tc_supports(shape, dtype, block_sizes):
+        return "tc"
+    if kernel == "tc":
+        raise ValueError(
+            f"the tensor-core kernel runs float16/bfloat16 with d = dv in {K.TC_HEAD_DIMS} "
+            f"and block_sizes {K.TC_BLOCKS}; got {dtype}, d={shape.d}, dv={shape.dv}, "
+            f"block_sizes={block_sizes}. Use kernel='ref' or 'auto'.")
+    return "ref"
 
 
 def smem_limit() -> int:
@@ -195,10 +222,19 @@ def _layout(q: _In, k: _In, v: _In):
     Pk = math.prod(kb)
     n = max(len(batch), 1)
     kb_pad = (1,) * (n - len(kb)) + kb
-    kv_index = np.broadcast_to(np.arange(Pk, dtype=np.int32).reshape(kb_pad)[..., None],
-                               canon_batch(shape)).reshape(-1)
     return (shape, Q, k.arr.reshape(Pk, shape.Nk, shape.d),
-            v.arr.reshape(Pk, shape.Nk, shape.dv), cp.asarray(kv_index))
+            v.arr.reshape(Pk, shape.Nk, shape.dv),
+            _kv_index(kb_pad, canon_batch(shape), cp.cuda.Device().id))
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_index(kb_pad: tuple, canon: tuple, device: int):
+    """kv_index[p]: the K/V problem of query problem p (GQA groups, broadcast batch axes);
+    cached on the device so repeated calls copy nothing."""
+    cp = _cupy()
+    Pk = math.prod(kb_pad)
+    idx = np.broadcast_to(np.arange(Pk, dtype=np.int32).reshape(kb_pad)[..., None], canon)
+    return cp.asarray(np.ascontiguousarray(idx).reshape(-1))
 
 
 def _band(causal: bool) -> tuple[int, int]:
@@ -226,15 +262,17 @@ def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int,
     return Br, Bc
 
 
-def block_sizes(q, v, *, backward: bool = False) -> tuple[int, int]:
+def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[int, int]:
     """The (Br, Bc) the kernels use by default for these inputs (pass them to
     `flashsim.simulate` to predict the kernels' traffic)."""
     qi, vi = _In(q, "q"), _In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
+    if not backward and _choose(kernel, shape, qi.dtype, None) == "tc":
+        return K.TC_BLOCKS
     return _blocks(None, shape, qi.dtype, backward)
 
 
-def _launch(cp, kernel, grid, smem: int, args):
+def _launch(cp, kernel, grid, smem: int, args, threads: int = THREADS):
     if 0 in grid:
         return
     if grid[1] > _GRID_Y_MAX:
@@ -242,7 +280,7 @@ def _launch(cp, kernel, grid, smem: int, args):
                          f"{_GRID_Y_MAX}; split the batch")
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
-    kernel(grid, (THREADS,), args, shared_mem=smem)
+    kernel(grid, (threads,), args, shared_mem=smem)
 
 
 def _scalar(dtype: str, x: float):
@@ -260,25 +298,40 @@ def _traffic(cp, counters) -> Traffic:
 # -- forward ------------------------------------------------------------------------------
 
 def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
-              count_io: bool = False):
+              count_io: bool = False, kernel: str = "auto"):
     """FlashAttention-2 forward on the GPU: (out, lse), or (out, lse, traffic) with
-    ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq)."""
+    ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
+
+    ``kernel``: "tc" the tensor-core kernel (float16/bfloat16, d = dv ∈ {64, 128},
+    tiles 64×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
+    "auto" (default): "tc" whenever it supports the inputs.
+    """
     cp = _cupy()
     qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
     shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)
     dtype = qi.dtype
     scale = check_scale(scale, shape.d)
     left, right = _band(causal)
-    Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
+    which = _choose(kernel, shape, dtype, block_sizes)
     P, Nq = shape.problems, shape.Nq
     O = _empty(cp, (P, Nq, shape.dv), _storage(cp, dtype))
     L = _empty(cp, (P, Nq), cp.float32)
     io = cp.zeros(len(K.io_counters()), dtype=cp.uint64)
-    smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
-    _launch(cp, _kernel("flash2_fwd", dtype, count_io), (-(-Nq // Br), P), smem,
-            (Q, Kd, Vd, kv_index, O, L, np.int32(Nq), np.int32(shape.Nk), np.int32(shape.d),
-             np.int32(shape.dv), np.int32(Br), np.int32(Bc), np.int32(left),
-             np.int32(right), _scalar(dtype, scale), io))
+    i32 = np.int32
+    if which == "tc":
+        Br, Bc = K.TC_BLOCKS
+        smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, shape.d, shape.dv, dtype)
+        _launch(cp, _kernel("flash2_fwd_tc", dtype, count_io, shape.d), (-(-Nq // Br), P),
+                smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
+                       i32(right), np.float32(scale * math.log2(math.e)), io),
+                threads=K.TC_THREADS)
+    else:
+        Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
+        smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
+        _launch(cp, _kernel("flash2_fwd", dtype, count_io), (-(-Nq // Br), P), smem,
+                (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(shape.d),
+                 i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
+                 _scalar(dtype, scale), io))
     out = _out(cp, O.reshape(shape.batch_shape + (Nq, shape.dv)), dtype, qi.torch)
     lse = _out(cp, L.reshape(shape.batch_shape + (Nq,)), "float32", qi.torch)
     return (out, lse, _traffic(cp, io)) if count_io else (out, lse)

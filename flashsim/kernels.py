@@ -24,7 +24,48 @@ ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
 SOURCES = {
     "flash2_ref.cu": ("flash2_fwd", "flash2_bwd_preprocess", "flash2_bwd_main",
                       "flash2_bwd_postprocess"),
+    "flash2_tc.cu": ("flash2_fwd_tc",),
 }
+
+# The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
+TC_DTYPES = ("float16", "bfloat16")
+TC_HEAD_DIMS = (64, 128)
+TC_BLOCKS = (64, 64)
+TC_THREADS = 128
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One template instance: its source, kernel, dtype, head dim (tensor-core rung
+    only), the NVRTC name expression and the start of its mangled name."""
+    source: str
+    kernel: str
+    dtype: str
+    D: int | None
+    expr: str
+    mangled: str
+
+
+_MANGLED_T = {"float16": "6__half", "bfloat16": "13__nv_bfloat16", "float32": "f",
+              "float64": "d"}
+
+
+def instances(source: str | None = None) -> list[Instance]:
+    out = []
+    for src, names in SOURCES.items():
+        if source is not None and src != source:
+            continue
+        for k in names:
+            if src == "flash2_tc.cu":
+                for dt in TC_DTYPES:
+                    for D in TC_HEAD_DIMS:
+                        out.append(Instance(src, k, dt, D, f"{k}<{CUDA_TYPES[dt]}, {D}>",
+                                            f"_Z{len(k)}{k}I{_MANGLED_T[dt]}Li{D}EE"))
+            else:
+                for dt in CUDA_TYPES:
+                    out.append(Instance(src, k, dt, None, f"{k}<{CUDA_TYPES[dt]}>",
+                                        f"_Z{len(k)}{k}I{_MANGLED_T[dt]}E"))
+    return out
 
 
 def kernel_dir() -> Path:
@@ -59,7 +100,7 @@ def io_counters() -> list[tuple[str, str]]:
 
 
 def name_expressions(source: str = "flash2_ref.cu") -> list[str]:
-    return [f"{k}<{t}>" for k in SOURCES[source] for t in CUDA_TYPES.values()]
+    return [i.expr for i in instances(source)]
 
 
 # -- tile shapes --------------------------------------------------------------------------
@@ -72,6 +113,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (Br * d + Bc * d + Bc * dv + Br * Bc + Br * dv + 3 * Br) * a
     if kernel == "flash2_bwd_main":
         return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
+    if kernel == "flash2_fwd_tc":   # Q_i, and K_j, V_j double-buffered, in the I/O type
+        return (Br * d + 4 * Bc * d) * 2
     return 0
 
 
@@ -95,6 +138,7 @@ def default_block_sizes(d: int, dv: int, dtype: str, smem_limit: int,
 class BuildRow:
     kernel: str
     dtype: str
+    D: int | None
     instrumented: bool
     registers: int
     smem_static: int
@@ -109,17 +153,7 @@ _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _demangled_instances(source: str):
-    """(mangled-name prefix, kernel, dtype): the Itanium mangling of kernel<T> starts
-    with _Z<len><name>I<type code>."""
-    codes = {"float16": "6__half", "bfloat16": "13__nv_bfloat16", "float32": "f",
-             "float64": "d"}
-    for k in SOURCES[source]:
-        for dt, code in codes.items():
-            yield f"_Z{len(k)}{k}I{code}E", k, dt
-
-
-def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str = "flash2_ref.cu",
+def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = None,
           instrumented: bool | None = None) -> list[BuildRow]:
     """Compile every kernel instance with nvcc (no GPU needed) and return ptxas's
     registers, static shared memory, stack and spill bytes per instance. Raises
@@ -132,12 +166,13 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str = "flash2
     rows: list[BuildRow] = []
     modes = (False, True) if instrumented is None else (instrumented,)
     kdir = kernel_dir()
+    sources = [source] if source is not None else list(SOURCES)
     with tempfile.TemporaryDirectory() as tmp:
-        inst = Path(tmp) / "instances.cu"
-        refs = ",\n    ".join(f"(void*)&{e}" for e in name_expressions(source))
-        inst.write_text(f'#include "{source}"\n'
-                        f"void* flashsim_instances[] = {{\n    {refs}\n}};\n")
-        for count_io in modes:
+        for src, count_io in ((s, c) for s in sources for c in modes):
+            inst = Path(tmp) / "instances.cu"
+            refs = ",\n    ".join(f"(void*)&{e}" for e in name_expressions(src))
+            inst.write_text(f'#include "{src}"\n'
+                            f"void* flashsim_instances[] = {{\n    {refs}\n}};\n")
             cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
                    f"-I{kdir}", "-o", str(Path(tmp) / "out.cubin"), str(inst)]
             if count_io:
@@ -145,18 +180,18 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str = "flash2
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-            rows += _parse_ptxas(proc.stderr, source, count_io)
+            rows += _parse_ptxas(proc.stderr, src, count_io)
     return rows
 
 
 def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:
-    names = {prefix: (k, dt) for prefix, k, dt in _demangled_instances(source)}
+    names = {i.mangled: (i.kernel, i.dtype, i.D) for i in instances(source)}
     rows, current, info = [], None, {}
 
     def flush():
         if current is not None:
-            k, dt = current
-            rows.append(BuildRow(k, dt, count_io, info.get("regs", 0), info.get("smem", 0),
+            k, dt, D = current
+            rows.append(BuildRow(k, dt, D, count_io, info.get("regs", 0), info.get("smem", 0),
                                  info.get("stack", 0), info.get("st", 0), info.get("ld", 0)))
 
     for line in log.splitlines():
@@ -177,11 +212,12 @@ def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:
 
 
 def format_build(rows: list[BuildRow], arch: str) -> str:
-    head = f"{'kernel':<26}{'dtype':<10}{'build':<14}{'regs':>5}{'smem':>7}{'stack':>7}{'spill st/ld':>13}"
+    head = (f"{'kernel':<26}{'dtype':<10}{'D':>4} {'build':<14}{'regs':>5}{'smem':>7}"
+            f"{'stack':>7}{'spill st/ld':>13}")
     lines = [f"kernels built for {arch} (dynamic shared memory is sized per launch)", head,
              "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.dtype)):
+    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.dtype, r.D or 0)):
         build_kind = "instrumented" if r.instrumented else "fast path"
-        lines.append(f"{r.kernel:<26}{r.dtype:<10}{build_kind:<14}{r.registers:>5}"
+        lines.append(f"{r.kernel:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
                      f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}")
     return "\n".join(lines)

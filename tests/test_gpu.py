@@ -30,14 +30,15 @@ EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64":
 
 
 @st.composite
-def gpu_problems(draw, max_seq=1023):
+def gpu_problems(draw, max_seq=1023, head_dims=HEAD_DIMS, dtypes=None, any_blocks=True,
+                 same_dv=False):
     Nq = draw(st.one_of(st.sampled_from([n for n in SEQS if n <= max_seq]),
                         st.integers(1, min(max_seq, 300))))
     Nk = draw(st.one_of(st.sampled_from([n for n in SEQS if n <= max_seq]),
                         st.integers(1, min(max_seq, 300))))
-    d = draw(st.sampled_from(HEAD_DIMS))
-    dv = draw(st.one_of(st.just(d), st.sampled_from(HEAD_DIMS)))
-    dtype = draw(st.sampled_from(DTYPES))
+    d = draw(st.sampled_from(head_dims))
+    dv = d if same_dv else draw(st.one_of(st.just(d), st.sampled_from(HEAD_DIMS)))
+    dtype = draw(st.sampled_from(dtypes or DTYPES))
     hk = draw(st.integers(1, 2))
     g = draw(st.sampled_from([1, 2, 3]))
     B = draw(st.integers(1, 2))
@@ -45,8 +46,8 @@ def gpu_problems(draw, max_seq=1023):
     while B * hk * g * Nq * Nk > 1_500_000 and (B > 1 or g > 1 or hk > 1):
         B, g, hk = 1, 1, max(1, hk - 1)
     causal = draw(st.booleans())
-    blocks = draw(st.one_of(st.none(), st.tuples(st.sampled_from([1, 16, 24, 32, 64]),
-                                                 st.sampled_from([8, 16, 48, 64]))))
+    blocks = None if not any_blocks else draw(st.one_of(
+        st.none(), st.tuples(st.sampled_from([1, 16, 24, 32, 64]), st.sampled_from([8, 16, 48, 64]))))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rnd = make_precision("kernel", dtype).io_round   # the exact values the kernel sees
     q = rnd(random_tensor(rng, (B, hk * g, Nq, d))).astype(np.float64)
@@ -108,19 +109,31 @@ def same_dtype_error(q, k, v, dtype, causal, ref_out, dout=None, ref_grads=None)
 
 @given(gpu_problems())
 def test_forward_matches_simulator(poisoned, problem):
-    q, k, v, dtype, causal, blocks = problem
+    check_forward(*problem, kernel="ref")
+
+
+TC_DTYPES = [t for t in ("float16", "bfloat16") if t in DTYPES]
+
+
+@given(gpu_problems(head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False, same_dv=True))
+def test_tensor_core_forward_matches_simulator(poisoned, problem):
+    check_forward(*problem, kernel="tc")
+
+
+def check_forward(q, k, v, dtype, causal, blocks, kernel):
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype):
         blocks = None
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
     out, lse, traffic = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
-                                         count_io=True)
-    out_fast, lse_fast = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks)
+                                         count_io=True, kernel=kernel)
+    out_fast, lse_fast = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
+                                          kernel=kernel)
     out, lse, out_fast, lse_fast = map(host, (out, lse, out_fast, lse_fast))
     assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output was not written"
     np.testing.assert_array_equal(out, out_fast)     # instrumenting changes no result
     np.testing.assert_array_equal(lse, lse_fast)
 
-    used = blocks or fs.gpu.block_sizes(qd, vd)
+    used = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel)
     sim = fs.simulate(q, k, v, "flash2", block_sizes=used, causal=causal, io_dtype=dtype)
     assert traffic == sim.traffic, traffic.diff(sim.traffic)
     simk = fs.simulate(q, k, v, "flash2", block_sizes=used, causal=causal, io_dtype=dtype,
@@ -259,7 +272,7 @@ def test_fully_masked_rows_and_large_logits(poisoned, dtype):
     k = rnd(rng.standard_normal((1, 2, 60, 64)) * 8).astype(np.float64)
     v = rnd(rng.standard_normal((1, 2, 60, 64))).astype(np.float64)
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
-    out, lse = fs.gpu.attention(qd, kd, vd, causal=True)   # rows 0..89 see no key
+    out, lse = fs.gpu.attention(qd, kd, vd, causal=True)   # rows 0..89 see no key (tc for fp16/bf16)
     o, L = host(out), host(lse)
     assert not np.isnan(o).any() and (o[..., :90, :] == 0).all()
     assert np.isneginf(L[..., :90]).all() and np.isfinite(L[..., 90:]).all()
@@ -288,6 +301,10 @@ def test_numpy_in_cupy_out_and_errors():
     with pytest.raises(ValueError, match="up to 256"):
         w = np.ones((4, 300), np.float32)
         fs.gpu.attention(w, w, w)
+    with pytest.raises(ValueError, match="tensor-core kernel runs"):
+        fs.gpu.attention(q, k, v, kernel="tc")           # float32: reference only
+    with pytest.raises(ValueError, match="kernel must be"):
+        fs.gpu.attention(q, k, v, kernel="fast")
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
@@ -316,6 +333,19 @@ ODD = [(113, 203, 40), (128, 217, 59), (108, 256, 96), (1023, 1024, 111), (203, 
        (7, 1023, 256), (1023, 7, 128)]
 
 
+ODD_TC = [(113, 203, 64), (128, 217, 128), (1023, 1024, 64), (7, 1023, 128), (1023, 7, 64)]
+
+
+@pytest.mark.parametrize("Nq, Nk, d", ODD_TC)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_odd_shapes_tensor_core(poisoned, Nq, Nk, d, dtype, causal):
+    rng = np.random.default_rng(Nq * 7 + Nk + d)
+    rnd = make_precision("kernel", dtype).io_round
+    q, k, v = (rnd(random_tensor(rng, (2, 3, n, d))).astype(np.float64) for n in (Nq, Nk, Nk))
+    check_forward(q, k, v, dtype, causal, None, kernel="tc")
+
+
 @pytest.mark.parametrize("Nq, Nk, d", ODD)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
@@ -324,9 +354,9 @@ def test_odd_shapes(poisoned, Nq, Nk, d, dtype, causal):
     rnd = make_precision("kernel", dtype).io_round
     q, k, v = (rnd(random_tensor(rng, (1, 2, n, d))).astype(np.float64) for n in (Nq, Nk, Nk))
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
-    out, lse, traffic = fs.gpu.attention(qd, kd, vd, causal=causal, count_io=True)
+    out, lse, traffic = fs.gpu.attention(qd, kd, vd, causal=causal, count_io=True, kernel="ref")
     o = host(out)
-    used = fs.gpu.block_sizes(qd, vd)
+    used = fs.gpu.block_sizes(qd, vd, kernel="ref")
     sim = fs.simulate(q, k, v, "flash2", block_sizes=used, causal=causal, io_dtype=dtype)
     assert traffic == sim.traffic
     err = np.abs(o - sim.out).max()

@@ -1,0 +1,280 @@
+// flash2_tc.cu: the tensor-core rung. The same FlashAttention-2 forward schedule as
+// flash2_ref.cu (Q-outer, the same visited tiles, O and L written once), on mma.sync.
+//
+// Kernels in this file, each a rung over the last:
+//   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//                        tiles Br = Bc = 64. Adds over flash2_fwd (the reference):
+//                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
+//                          and O += P V, so it also runs on Ampere;
+//                        - 4 warps split along Q (16 rows each): each warp owns whole rows
+//                          of S, so the softmax needs no inter-warp reduction;
+//                        - Q held in registers for the whole loop; P goes from the S
+//                          accumulators to the A operand of the second MMA without shared
+//                          memory (the m16n8 C layout is the m16n8k16 A layout);
+//                        - ldmatrix (.trans for V) from XOR-swizzled shared memory: no
+//                          bank conflicts; 16-byte cp.async loads, K/V double-buffered so
+//                          tile j+1 streams in while tile j is multiplied;
+//                        - exp2 with scale·log2(e) folded into one multiply, deferred
+//                          normalisation, the row sum ℓ kept per thread until the end;
+//                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
+// Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
+
+#include "common.cuh"
+
+namespace tc {
+
+constexpr int Br = 64, Bc = 64, WARPS = 4, THREADS = WARPS * 32;
+
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+};
+
+// Shared tiles are rows of D halves in 16-byte chunks; chunk c of row r lives at chunk
+// c ^ (r & 7). The 8 rows an ldmatrix reads then sit in 8 different bank groups.
+template <int D> __device__ __forceinline__ int swz(int r, int c) {
+    return r * D + ((c ^ (r & 7)) << 3);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    // src-size 0 fills the 16 bytes with zeros: rows past N cost no read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// rows [0, valid) of a rows × D tile from global (row-major, D contiguous) into shared
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
+    constexpr int CH = D / 8;                       // 16-byte chunks per row
+    for (int x = threadIdx.x; x < ROWS * CH; x += THREADS) {
+        const int r = x / CH, c = x % CH;
+        const bool ok = r < valid;
+        cp_async16(s + swz<D>(r, c), g + (ok ? (long long)r * D + c * 8 : 0), ok);
+    }
+}
+
+}  // namespace tc
+
+template <typename T, int D>
+__global__ void __launch_bounds__(tc::THREADS)
+flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+              const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
+              int Nq, int Nk, int left, int right, float scale_log2,
+              unsigned long long* io) {
+    using namespace tc;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·D
+    T* sK = sQ + Br * D;                             // 2 buffers of Bc·D
+    T* sV = sK + 2 * Bc * D;                         // 2 buffers of Bc·D
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;         // MMA group and thread in group
+    const int i = blockIdx.x, p = blockIdx.y;
+    const int i0 = i * Br, rows = min(Br, Nq - i0);
+    const long long q_row = (long long)p * Nq + i0;
+    const long long kv = kv_index[p];
+    const T* Kp = K + kv * Nk * D;
+    const T* Vp = V + kv * Nk * D;
+    const Band band{left, right, Nk - Nq};
+    int jlo, jhi;
+    band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+    const int r0 = warp * 16 + g, r1 = r0 + 8;       // this thread's two rows in the tile
+
+    if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
+        for (int x = threadIdx.x; x < rows * D; x += THREADS) O[q_row * D + x] = from_acc<T>(0.0f);
+        for (int r = threadIdx.x; r < rows; r += THREADS) L[q_row + r] = neg_inf<float>();
+        COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));    // SRAM→HBM: O_i (Br·d)
+        COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+        return;
+    }
+
+    load_tile<T, D, Br>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
+    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));
+    cp_async_commit();
+    {
+        const int j0 = jlo * Bc, cols = min(Bc, Nk - j0);
+        load_tile<T, D, Bc>(sK, Kp + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc>(sV, Vp + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
+        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));
+        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));
+        cp_async_commit();
+    }
+    cp_async_wait<1>();                              // Q has landed
+    __syncthreads();
+
+    // Q_i stays in registers: A fragments of this warp's 16 rows, D/16 k-steps
+    unsigned qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldsm_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+    float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max, log2 domain
+    float l0 = 0.f, l1 = 0.f;                              // per-thread partial row sums
+
+    for (int j = jlo; j <= jhi; ++j) {
+        const int buf = (j - jlo) & 1;
+        const T* sKb = sK + buf * Bc * D;
+        const T* sVb = sV + buf * Bc * D;
+        if (j < jhi) {                               // stream tile j+1 behind tile j
+            const int j0n = (j + 1) * Bc, colsn = min(Bc, Nk - j0n);
+            load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D, Kp + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc>(sV + (buf ^ 1) * Bc * D, Vp + (long long)j0n * D, colsn);
+            COUNT_IO(io, IO_K_R, (long long)colsn * D * sizeof(T));   // HBM→SRAM: K_j (Bc·d)
+            COUNT_IO(io, IO_V_R, (long long)colsn * D * sizeof(T));   // HBM→SRAM: V_j (Bc·d)
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        // S = Q_i K_jᵀ: 16 × 64 per warp, 8 n-tiles of 8 keys
+        float s[Bc / 8][4];
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int t = 0; t < Bc / 8; t += 2) {
+                unsigned b[4];   // (n-tile t: k lo, k hi), (n-tile t+1: k lo, k hi)
+                const int n = t * 8 + (lane & 7) + ((lane >> 4) << 3);
+                ldsm_x4(b, sKb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
+                Mma<T>::run(s[t], qf[kk], b);
+                Mma<T>::run(s[t + 1], qf[kk], b + 2);
+            }
+        }
+
+        // mask ragged keys and the band, elementwise, only where the tile needs it
+        const int j0 = j * Bc;
+        const bool ragged = j0 + Bc > Nk;
+        const bool partial = ragged || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
+                             || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+        if (partial) {
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = j0 + t * 8 + tig * 2 + (e & 1);
+                    const int r = i0 + (e < 2 ? r0 : r1);
+                    if (c >= Nk || !band.sees(r, c)) s[t][e] = neg_inf<float>();
+                }
+        }
+
+        // online softmax in the log2 domain: p = 2^(s·scale·log2e − m)
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            mx0 = fmaxf(mx0, fmaxf(s[t][0], s[t][1]) * scale_log2);
+            mx1 = fmaxf(mx1, fmaxf(s[t][2], s[t][3]) * scale_log2);
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {      // the 4 threads of a quad share a row
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
+        }
+        const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
+        const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
+        const float a0 = exp2f(m0 - ms0), a1 = exp2f(m1 - ms1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+            o[t][0] *= a0; o[t][1] *= a0; o[t][2] *= a1; o[t][3] *= a1;
+        }
+        unsigned pf[Bc / 16][4];                     // P as the A operand of P V
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            const float p0 = exp2f(fmaf(s[t][0], scale_log2, -ms0));
+            const float p1 = exp2f(fmaf(s[t][1], scale_log2, -ms0));
+            const float p2 = exp2f(fmaf(s[t][2], scale_log2, -ms1));
+            const float p3 = exp2f(fmaf(s[t][3], scale_log2, -ms1));
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            pf[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(p0, p1);   // row g
+            pf[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(p2, p3);   // row g + 8
+        }
+
+        // O_i += P V_j: k = keys (4 k-steps of 16), n = D/8 tiles of 8 columns
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+#pragma unroll
+            for (int t = 0; t < D / 8; t += 2) {
+                unsigned b[4];   // V rows are keys: .trans turns them into B fragments
+                const int kr = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+                ldsm_x4_t(b, sVb + swz<D>(kr, t + (lane >> 4)));
+                Mma<T>::run(o[t], pf[kk], b);
+                Mma<T>::run(o[t + 1], pf[kk], b + 2);
+            }
+        }
+        __syncthreads();                             // buffer buf is refilled next step
+    }
+
+    // finish: reduce ℓ over the quad, divide once, write O_i and L_i
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffff, l0, off);
+        l1 += __shfl_xor_sync(0xffffffff, l1, off);
+    }
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    T* Oi = O + q_row * D;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int c = t * 8 + tig * 2;
+        if (r0 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) = Mma<T>::pack(o[t][0] * inv0, o[t][1] * inv0);
+        if (r1 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) = Mma<T>::pack(o[t][2] * inv1, o[t][3] * inv1);
+    }
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+}
