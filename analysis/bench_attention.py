@@ -83,6 +83,10 @@ def main(argv=None):
     except ImportError:
         have_torch = False
     os.makedirs(a.out, exist_ok=True)
+    only = set(a.only.split(",")) if a.only else None
+
+    def want(name):
+        return only is None or name in only
     dev = cp.cuda.runtime.getDeviceProperties(0)
     gpu = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
     Ns = [1024, 4096, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384]
@@ -119,6 +123,8 @@ def main(argv=None):
                               f"bwd {bwd_ms and round(fb / bwd_ms / 1e9, 1)} TF/s", flush=True)
 
                     for kern in a.kernels.split(","):
+                        if not want(f"flashsim-{kern}"):
+                            continue
                         out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kern)
                         fwd = timer(cp, lambda: fs.gpu.attention(q, k, v, causal=causal,
                                                                  kernel=kern), reps=a.reps)
@@ -127,11 +133,13 @@ def main(argv=None):
                             q, k, v, out, lse, do, causal=causal), reps=a.reps) \
                             if kern == "ref" else None
                         add(f"flashsim-{kern}", fwd, bwd)
-                    if dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
+                    if want("dense-cupy") and dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
                         qc, kc, vc = (cp.from_dlpack(x) if have_torch else x for x in (q, k, v))
                         add("dense-cupy", timer(cp, lambda: dense_cupy(cp, qc, kc, vc, causal, scale),
                                                 reps=a.reps), None)
                     for name, be in backends.items():
+                        if not want(name):
+                            continue
                         if name == "sdpa-math" and B * H * N * N * 4 > 8 * 2**30:
                             continue
                         qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
