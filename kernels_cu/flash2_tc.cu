@@ -23,7 +23,20 @@
 
 namespace tc {
 
-constexpr int Br = 64, Bc = 64, WARPS = 4, THREADS = WARPS * 32;
+// Tile shape: WARPS warps of 16 query rows each, Bc keys per K/V tile. The defaults are
+// the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
+// analysis/tune_tc.py, which builds and times variants side by side.
+#ifndef FLASHSIM_TC_WARPS
+#define FLASHSIM_TC_WARPS 4
+#endif
+#ifndef FLASHSIM_TC_BC
+#define FLASHSIM_TC_BC 64
+#endif
+#ifndef FLASHSIM_TC_MINBLOCKS
+#define FLASHSIM_TC_MINBLOCKS 1
+#endif
+constexpr int WARPS = FLASHSIM_TC_WARPS, Br = 16 * WARPS, Bc = FLASHSIM_TC_BC;
+constexpr int THREADS = WARPS * 32;
 
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
@@ -96,7 +109,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
 }  // namespace tc
 
 template <typename T, int D>
-__global__ void __launch_bounds__(tc::THREADS)
+__global__ void __launch_bounds__(tc::THREADS, FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int left, int right, float scale_log2,
