@@ -2,7 +2,7 @@
 
     flashsim                      built-in example: standard vs flash1 vs flash2
     flashsim simulate [...]       one algorithm on one problem (real math, or --no-math)
-    flashsim sweep [...]          HBM traffic against SRAM size M for all three algorithms
+    flashsim sweep [...]          HBM traffic against SRAM size M (forward, or --backward)
 
 Library errors (bad sizes, an SRAM too small for any tile, ...) are printed as
 ``flashsim: error: <message>`` with exit status 2, like argparse's own errors.
@@ -19,12 +19,15 @@ import sys
 import numpy as np
 
 from . import theory
+from .backward import BACKWARD_ALGORITHMS, count_backward
 from .count import count
 from .problem import itemsize_of, make_shape
 
 CORE_ALGORITHMS = ("standard", "flash1", "flash2")
 # `flashsim simulate` also runs these (the default comparison and sweep stay on the core three)
 SIMULATE_ALGORITHMS = CORE_ALGORITHMS + ("splitkv", "square")
+# `flashsim sweep --algorithms` takes these (splitkv needs a split count, so it is left out)
+SWEEP_ALGORITHMS = CORE_ALGORITHMS + ("square",)
 from .reference import attention_reference
 from .simulate import simulate
 from .splitkv import theory_splitkv
@@ -136,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON object instead of text")
 
     w = sub.add_parser(
-        "sweep", help="HBM traffic against SRAM size for all three algorithms",
-        description="Count (fs.count, no math) the HBM traffic of standard attention, "
-                    "FlashAttention-1 and FlashAttention-2 at geometrically spaced SRAM "
-                    "sizes M from --min to --max.")
+        "sweep", help="HBM traffic against SRAM size, forward or backward",
+        description="Count (fs.count, or fs.count_backward with --backward; no math) the "
+                    "HBM traffic of standard attention, FlashAttention-1 and "
+                    "FlashAttention-2 (and, with --algorithms, square tiles) at "
+                    "geometrically spaced SRAM sizes M from --min to --max.")
     w.add_argument("--seq", "-N", type=int, default=4096, metavar="N",
                    help="sequence length Nq = Nk (default: 4096)")
     w.add_argument("--head-dim", "-d", type=int, default=64, metavar="d",
@@ -147,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", choices=DTYPES, default="float16",
                    help="I/O element type (default: float16)")
     w.add_argument("--causal", action="store_true", help="bottom-right causal mask")
+    w.add_argument("--backward", action="store_true",
+                   help="count the backward pass (fs.count_backward) instead of the forward")
+    w.add_argument("--algorithms", default=",".join(CORE_ALGORITHMS), metavar="LIST",
+                   help="comma-separated algorithms from "
+                        f"{', '.join(SWEEP_ALGORITHMS)} (default: {','.join(CORE_ALGORITHMS)}; "
+                        "square has no backward)")
     w.add_argument("--min", dest="min_size", default="16KiB", metavar="SIZE",
                    help="smallest SRAM size (default: 16KiB)")
     w.add_argument("--max", dest="max_size", default="16MiB", metavar="SIZE",
@@ -439,6 +449,8 @@ def run_sweep(args) -> int:
                        f"--max {args.max_size}")
     if args.points < 1:
         raise CLIError(f"--points must be >= 1, got {args.points}")
+    algs = _sweep_algorithms(args.algorithms, args.backward)
+    tiled = [a for a in algs if a != "standard"]
     plt = _import_pyplot() if args.plot else None
 
     sizes = _sram_sizes(lo, hi, args.points)
@@ -447,12 +459,14 @@ def run_sweep(args) -> int:
     minimum = {}
     for n, M in enumerate(sizes, 1):
         totals, blocks = {}, {}
-        for a in CORE_ALGORITHMS:
+        for a in algs:
             try:
-                blocks[a] = resolve_block_sizes(a, sram_bytes=M, block_sizes=None, d=d, dv=d,
+                rule = f"{a}-backward" if args.backward and a != "standard" else a
+                blocks[a] = resolve_block_sizes(rule, sram_bytes=M, block_sizes=None, d=d, dv=d,
                                                 itemsize=b)
-                totals[a] = count(a, Nq=N, Nk=N, d=d, sram_bytes=M, causal=args.causal,
-                                  io_dtype=args.dtype).total_bytes
+                counter = count_backward if args.backward else count
+                totals[a] = counter(a, Nq=N, Nk=N, d=d, sram_bytes=M, causal=args.causal,
+                                    io_dtype=args.dtype).total_bytes
             except ValueError as e:  # SRAMOverflowError: no tile fits
                 if getattr(e, "minimum_bytes", None) is None:
                     raise
@@ -462,17 +476,17 @@ def run_sweep(args) -> int:
         if progress:
             _progress(n, len(sizes))
 
-    print(f"flashsim sweep: HBM traffic (reads + writes) against SRAM size M")
+    print(f"flashsim sweep: {'backward' if args.backward else 'forward'} HBM traffic "
+          "(reads + writes) against SRAM size M")
     print(f"problem: Nq = Nk = N = {N}, d = {d}, {args.dtype} I/O ({b} B/element), "
           f"{_causal_word(args.causal)}; {len(sizes)} sizes from {human_size(lo)} "
           f"to {human_size(hi)}")
     print()
-    header = ["SRAM M", "standard", "flash1", "flash2", "flash1 Br×Bc", "flash2 Br×Bc"]
+    header = ["SRAM M"] + list(algs) + [f"{a} Br×Bc" for a in tiled]
     table = [header]
     for M, totals, blocks in rows:
-        table.append([human_size(M)] + [human_bytes(totals[a]) for a in CORE_ALGORITHMS]
-                     + [f"{blocks[a][0]}×{blocks[a][1]}" if blocks[a] else "-"
-                        for a in ("flash1", "flash2")])
+        table.append([human_size(M)] + [human_bytes(totals[a]) for a in algs]
+                     + [f"{blocks[a][0]}×{blocks[a][1]}" if blocks[a] else "-" for a in tiled])
     widths = [max(len(r[c]) for r in table) for c in range(len(header))]
     for k, r in enumerate(table):
         print("  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip())
@@ -480,22 +494,37 @@ def run_sweep(args) -> int:
             print("  ".join("-" * w for w in widths))
     for a, need in minimum.items():
         print(f"- : {a} has no tile that fits; it needs at least {need:,} B of SRAM")
-    print("(standard attention does not tile: its traffic does not depend on M)")
+    if "standard" in algs:
+        print("(standard attention does not tile: its traffic does not depend on M)")
 
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.writer(f)
-            wr.writerow(["sram_bytes", "standard_bytes", "flash1_bytes", "flash2_bytes",
-                         "flash1_Br", "flash1_Bc", "flash2_Br", "flash2_Bc"])
+            wr.writerow(["sram_bytes"] + [f"{a}_bytes" for a in algs]
+                        + [f"{a}_{x}" for a in tiled for x in ("Br", "Bc")])
             for M, totals, blocks in rows:
-                wr.writerow([M] + ["" if totals[a] is None else totals[a] for a in CORE_ALGORITHMS]
+                wr.writerow([M] + ["" if totals[a] is None else totals[a] for a in algs]
                             + [("" if blocks[a] is None else blocks[a][i])
-                               for a in ("flash1", "flash2") for i in (0, 1)])
+                               for a in tiled for i in (0, 1)])
         print(f"wrote {args.csv}")
     if args.plot:
-        _plot(plt, rows, args)
+        _plot(plt, rows, args, algs)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _sweep_algorithms(text: str, backward: bool) -> tuple[str, ...]:
+    algs = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    if not algs:
+        raise CLIError("--algorithms needs at least one algorithm")
+    for a in algs:
+        if a not in SWEEP_ALGORITHMS:
+            raise CLIError(f"--algorithms: unknown algorithm {a!r}; choose from "
+                           f"{', '.join(SWEEP_ALGORITHMS)}")
+        if backward and a not in BACKWARD_ALGORITHMS:
+            raise CLIError(f"--backward: {a} has no backward pass; choose from "
+                           f"{', '.join(BACKWARD_ALGORITHMS)}")
+    return algs
 
 
 class _MissingMatplotlib(Exception):
@@ -514,11 +543,11 @@ def _import_pyplot():
     return plt
 
 
-def _plot(plt, rows, args) -> None:
+def _plot(plt, rows, args, algs=CORE_ALGORITHMS) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {"standard": ("standard attention", "o-"), "flash1": ("FlashAttention-1", "s-"),
-              "flash2": ("FlashAttention-2", "^-")}
-    for a in CORE_ALGORITHMS:
+              "flash2": ("FlashAttention-2", "^-"), "square": ("square tiles (Saha & Ye)", "D-")}
+    for a in algs:
         xs = [M for M, totals, _ in rows if totals[a] is not None]
         ys = [totals[a] for _, totals, _ in rows if totals[a] is not None]
         if xs:
@@ -527,7 +556,7 @@ def _plot(plt, rows, args) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("SRAM size M (bytes)")
-    ax.set_ylabel("HBM traffic (bytes)")
+    ax.set_ylabel(f"{'backward' if args.backward else 'forward'} HBM traffic (bytes)")
     ax.set_title(f"N = {args.seq}, d = {args.head_dim}, {args.dtype}"
                  + (", causal" if args.causal else ""))
     ax.grid(True, which="both", alpha=0.3)

@@ -8,6 +8,7 @@ the kernels through CuPy.
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -30,8 +31,8 @@ SOURCES = {
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIMS = (64, 128)
-TC_BLOCKS = (64, 64)
-TC_THREADS = 128
+TC_BLOCKS = (128, 64)   # 8 warps of 16 query rows; see kernels_cu/NOTES.md for the tuning
+TC_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def kernel_dir() -> Path:
                             "this installation; reinstall flashsim")
 
 
-def io_counters() -> list[tuple[str, str]]:
+@functools.lru_cache(maxsize=None)
+def io_counters() -> tuple[tuple[str, str], ...]:
     """(tensor, "read"|"write") per counter of the instrumented build, in the order of
     the IoCounter enum in kernels_cu/common.cuh (read from the header itself, so the two
     cannot drift apart)."""
@@ -96,7 +98,7 @@ def io_counters() -> list[tuple[str, str]]:
         if not m:
             raise ValueError(f"unexpected I/O counter name {n!r} in common.cuh")
         out.append((m.group(1), "read" if m.group(2) == "R" else "write"))
-    return out
+    return tuple(out)
 
 
 def name_expressions(source: str = "flash2_ref.cu") -> list[str]:

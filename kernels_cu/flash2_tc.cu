@@ -3,10 +3,10 @@
 //
 // Kernels in this file, each a rung over the last:
 //   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
-//                        tiles Br = Bc = 64. Adds over flash2_fwd (the reference):
+//                        tiles Br = 128, Bc = 64. Adds over flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
 //                          and O += P V, so it also runs on Ampere;
-//                        - 4 warps split along Q (16 rows each): each warp owns whole rows
+//                        - 8 warps split along Q (16 rows each): each warp owns whole rows
 //                          of S, so the softmax needs no inter-warp reduction;
 //                        - Q held in registers for the whole loop; P goes from the S
 //                          accumulators to the A operand of the second MMA without shared
@@ -27,13 +27,13 @@ namespace tc {
 // the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
 // analysis/tune_tc.py, which builds and times variants side by side.
 #ifndef FLASHSIM_TC_WARPS
-#define FLASHSIM_TC_WARPS 4
+#define FLASHSIM_TC_WARPS 8
 #endif
 #ifndef FLASHSIM_TC_BC
 #define FLASHSIM_TC_BC 64
 #endif
-#ifndef FLASHSIM_TC_MINBLOCKS
-#define FLASHSIM_TC_MINBLOCKS 1
+#ifndef FLASHSIM_TC_MINBLOCKS   // 0: 2 CTAs per SM at D = 64, 1 at D = 128 (tuned)
+#define FLASHSIM_TC_MINBLOCKS 0
 #endif
 constexpr int WARPS = FLASHSIM_TC_WARPS, Br = 16 * WARPS, Bc = FLASHSIM_TC_BC;
 constexpr int THREADS = WARPS * 32;
@@ -109,7 +109,8 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
 }  // namespace tc
 
 template <typename T, int D>
-__global__ void __launch_bounds__(tc::THREADS, FLASHSIM_TC_MINBLOCKS)
+__global__ void __launch_bounds__(tc::THREADS,
+                                  FLASHSIM_TC_MINBLOCKS ? FLASHSIM_TC_MINBLOCKS : (D == 64 ? 2 : 1))
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int left, int right, float scale_log2,
