@@ -24,7 +24,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="4:64:1,8:64:1,4:32:1,8:32:1,4:128:1,4:64:2")
+    ap.add_argument("--variants", default="4:64:1,8:64:1,4:32:1,8:32:1,4:128:1,4:64:2",
+                    help="warps:Bc:minblocks, comma-separated")
     a = ap.parse_args(argv)
     import cupy as cp
     src = (K.kernel_dir() / "flash2_tc.cu").read_text()

@@ -102,7 +102,7 @@ KERNELS = ("auto", "ref", "tc")
 
 def _tc_supports(shape: Shape, dtype: str, block_sizes) -> bool:
     return (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS
-            and (block_sizes is None or tuple(block_sizes) == K.TC_BLOCKS))
+            and (block_sizes is None or tuple(block_sizes) == K.TC_BLOCKS[shape.d]))
 
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes) -> str:
@@ -116,7 +116,7 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes) -> str:
     if kernel == "tc":
         raise ValueError(
             f"the tensor-core kernel runs float16/bfloat16 with d = dv in {K.TC_HEAD_DIMS} "
-            f"and block_sizes {K.TC_BLOCKS}; got {dtype}, d={shape.d}, dv={shape.dv}, "
+            f"and its own tiles {K.TC_BLOCKS}; got {dtype}, d={shape.d}, dv={shape.dv}, "
             f"block_sizes={block_sizes}. Use kernel='ref' or 'auto'.")
     return "ref"
 
@@ -273,7 +273,7 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[
     qi, vi = _In(q, "q"), _In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
     if not backward and _choose(kernel, shape, qi.dtype, None) == "tc":
-        return K.TC_BLOCKS
+        return K.TC_BLOCKS[shape.d]
     return _blocks(None, shape, qi.dtype, backward)
 
 
@@ -322,7 +322,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "tc" the tensor-core kernel (float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 64×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
+    tiles 64×64 at d = 64 and 128×64 at d = 128), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
     "auto" (default): "tc" whenever it supports the inputs.
     """
     cp = _cupy()
@@ -338,12 +338,12 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     io = _counters(cp, count_io)
     i32 = np.int32
     if which == "tc":
-        Br, Bc = K.TC_BLOCKS
+        Br, Bc = K.TC_BLOCKS[shape.d]
         smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, shape.d, shape.dv, dtype)
         _launch(cp, _kernel("flash2_fwd_tc", dtype, count_io, shape.d), (-(-Nq // Br), P),
                 smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
                        i32(right), np.float32(scale * math.log2(math.e)), io),
-                threads=K.TC_THREADS)
+                threads=K.TC_THREADS[shape.d])
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)

@@ -3,10 +3,11 @@
 //
 // Kernels in this file, each a rung over the last:
 //   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
-//                        tiles Br = 128, Bc = 64. Adds over flash2_fwd (the reference):
+//                        tiles Br × Bc = 64 × 64 (D = 64), 128 × 64 (D = 128). Adds over
+//                        flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
 //                          and O += P V, so it also runs on Ampere;
-//                        - 8 warps split along Q (16 rows each): each warp owns whole rows
+//                        - warps split along Q (16 rows each): each warp owns whole rows
 //                          of S, so the softmax needs no inter-warp reduction;
 //                        - Q held in registers for the whole loop; P goes from the S
 //                          accumulators to the A operand of the second MMA without shared
@@ -26,17 +27,19 @@ namespace tc {
 // Tile shape: WARPS warps of 16 query rows each, Bc keys per K/V tile. The defaults are
 // the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
 // analysis/tune_tc.py, which builds and times variants side by side.
+// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps (Br = 64) at D = 64, 8 warps
+// (Br = 128) at D = 128, Bc = 64, no spills.
 #ifndef FLASHSIM_TC_WARPS
-#define FLASHSIM_TC_WARPS 8
+#define FLASHSIM_TC_WARPS 0
 #endif
 #ifndef FLASHSIM_TC_BC
 #define FLASHSIM_TC_BC 64
 #endif
-#ifndef FLASHSIM_TC_MINBLOCKS   // 0: 2 CTAs per SM at D = 64, 1 at D = 128 (tuned)
-#define FLASHSIM_TC_MINBLOCKS 0
+#ifndef FLASHSIM_TC_MINBLOCKS
+#define FLASHSIM_TC_MINBLOCKS 1
 #endif
-constexpr int WARPS = FLASHSIM_TC_WARPS, Br = 16 * WARPS, Bc = FLASHSIM_TC_BC;
-constexpr int THREADS = WARPS * 32;
+template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : (D == 64 ? 4 : 8); }
+constexpr int Bc = FLASHSIM_TC_BC;
 
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
@@ -99,7 +102,7 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
     constexpr int CH = D / 8;                       // 16-byte chunks per row
-    for (int x = threadIdx.x; x < ROWS * CH; x += THREADS) {
+    for (int x = threadIdx.x; x < ROWS * CH; x += 32 * warps<D>()) {
         const int r = x / CH, c = x % CH;
         const bool ok = r < valid;
         cp_async16(s + swz<D>(r, c), g + (ok ? (long long)r * D + c * 8 : 0), ok);
@@ -109,13 +112,13 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
 }  // namespace tc
 
 template <typename T, int D>
-__global__ void __launch_bounds__(tc::THREADS,
-                                  FLASHSIM_TC_MINBLOCKS ? FLASHSIM_TC_MINBLOCKS : (D == 64 ? 2 : 1))
+__global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int left, int right, float scale_log2,
               unsigned long long* io) {
     using namespace tc;
+    constexpr int Br = 16 * warps<D>(), THREADS = 32 * warps<D>();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·D
     T* sK = sQ + Br * D;                             // 2 buffers of Bc·D

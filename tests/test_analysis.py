@@ -1,0 +1,229 @@
+"""The analysis scripts (smoke tests at --quick sizes, run in-process), the hardware
+presets, and `flashsim sweep --backward / --algorithms`."""
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+import flashsim as fs
+from flashsim import hardware
+from flashsim.cli import main as cli_main
+
+ANALYSIS = pathlib.Path(__file__).resolve().parent.parent / "analysis"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load(name):
+    """Import analysis/<name>.py as a module (its `import _common` needs analysis/ on
+    sys.path, as when it runs as a script)."""
+    if str(ANALYSIS) not in sys.path:
+        sys.path.insert(0, str(ANALYSIS))
+    spec = importlib.util.spec_from_file_location(f"analysis_{name}", ANALYSIS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# -- flashsim.hardware --------------------------------------------------------------------
+
+def test_ridge_points():
+    # peak dense fp16 tensor-core FLOP/s ÷ peak HBM bytes/s
+    assert hardware.A100.ridge == pytest.approx(312e12 / 2.039e12)
+    assert hardware.A100.ridge == pytest.approx(153.0, abs=0.1)
+    assert hardware.H100.ridge == pytest.approx(989.4e12 / 3.35e12)
+    assert hardware.H100.ridge == pytest.approx(295.3, abs=0.1)
+    assert hardware.H200.ridge == pytest.approx(989.4e12 / 4.8e12)
+    assert hardware.H200.ridge == pytest.approx(206.1, abs=0.1)
+
+
+def test_presets():
+    assert hardware.PRESETS == {"A100": hardware.A100, "H100": hardware.H100,
+                                "H200": hardware.H200}
+    assert hardware.A100.smem_per_sm == 164 * 1024 and hardware.A100.l1_smem_per_sm == 192 * 1024
+    for g in (hardware.H100, hardware.H200):
+        assert g.smem_per_sm == 228 * 1024 and g.l1_smem_per_sm == 256 * 1024
+        assert g.num_sms == 132 and g.peak_flops == 989.4e12
+    assert hardware.A100.num_sms == 108
+    for g in hardware.PRESETS.values():
+        assert "datasheet" in g.source and g.smem_per_block < g.smem_per_sm <= g.l1_smem_per_sm
+        assert g.l2_bytes > 0
+        assert g.bound(g.ridge * 0.99) == "memory" and g.bound(g.ridge) == "compute"
+    assert "80GB" in hardware.A100.name and "2,039" in hardware.A100.source
+
+
+def test_presets_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hardware.H100.peak_flops = 1.0
+
+
+# -- analysis scripts ----------------------------------------------------------------------
+
+def test_arithmetic_intensity(tmp_path):
+    mod = load("arithmetic_intensity")
+    assert mod.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "arithmetic_intensity.csv")
+    # N ∈ {256, 1024}, d = 64; QKᵀ and standard against 3 GPUs, flash2 at each GPU's SRAM
+    assert len(rows) == 2 * (3 + 3 + 3)
+    for r in rows:
+        N, d = int(r["N"]), int(r["d"])
+        gpu = hardware.PRESETS[r["gpu"]]
+        if r["kernel"] == "S=QK^T":
+            want = 2 * N * N * d / ((2 * N * d + N * N) * 2)
+        elif r["kernel"] == "standard":
+            want = 4 * N * N * d / fs.count("standard", Nq=N, Nk=N, d=d).total_bytes
+        else:
+            assert int(r["sram_bytes"]) == gpu.smem_per_sm
+            want = 4 * N * N * d / fs.count("flash2", Nq=N, Nk=N, d=d,
+                                            sram_bytes=gpu.smem_per_sm).total_bytes
+        assert float(r["intensity_flop_per_byte"]) == pytest.approx(want, abs=1e-3)
+        assert r["bound"] == ("compute" if want >= gpu.ridge else "memory")
+    md = (tmp_path / "arithmetic_intensity.md").read_text()
+    assert "| 256 | 64 |" in md and "| 1k | 64 |" in md
+    assert "ridge" in md and "153.0" in md and "295.3" in md and "206.1" in md
+
+
+def test_traffic_vs_sram(tmp_path):
+    mod = load("traffic_vs_sram")
+    code = mod.main(["--quick", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "traffic_vs_sram.csv")
+    N, d = 1024, 128
+    Ms = [int(r["M_elements"]) for r in rows]
+    assert d * d in Ms and Ms == sorted(Ms) and Ms[-1] == N * d
+    by = {int(r["M_elements"]): r for r in rows}
+    r = by[d * d]
+    assert int(r["fwd_flash2"]) == fs.count("flash2", Nq=N, Nk=N, d=d,
+                                            sram_bytes=2 * d * d).total_bytes
+    assert int(r["fwd_square"]) == fs.count("square", Nq=N, Nk=N, d=d,
+                                            sram_bytes=2 * d * d).total_bytes
+    assert int(r["bwd_flash1"]) == fs.count_backward("flash1", Nq=N, Nk=N, d=d,
+                                                     sram_bytes=2 * d * d).total_bytes
+    # the smallest SRAM sizes fit square tiles but no flash tile: skipped, not failed
+    assert by[Ms[0]]["fwd_flash2"] == "" and by[Ms[0]]["fwd_square"] != ""
+    # square beats flash2 well below d², loses well above
+    M_lo, M_hi = d * d // 4, 4 * d * d
+    assert int(by[M_lo]["fwd_square"]) < int(by[M_lo]["fwd_flash2"])
+    assert int(by[M_hi]["fwd_square"]) > int(by[M_hi]["fwd_flash2"])
+    if has_matplotlib():
+        assert code == 0
+        assert (tmp_path / "traffic_vs_sram.png").read_bytes()[:8] == PNG_MAGIC
+    else:
+        assert code == 2
+
+
+def test_plotting_script_without_matplotlib(tmp_path, monkeypatch, capsys):
+    mod = load("fig2_middle")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import now raises ImportError
+    assert mod.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert 'pip install "flashsim[analysis]"' in capsys.readouterr().err
+    assert (tmp_path / "fig2_middle.json").exists() and not (tmp_path / "fig2_middle.png").exists()
+
+
+def test_fig2_left(tmp_path, capsys):
+    mod = load("fig2_left")
+    assert mod.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "fig2_left.json").read_text())
+    rows = {r["algorithm"]: r for r in data["rows"]}
+    assert set(rows) == {"standard", "flash1", "flash2"}
+    kw = dict(Nq=1024, Nk=1024, d=64, batch_shape=(2, 16))
+    for a, r in rows.items():
+        sram = None if a == "standard" else "100KiB"
+        want = fs.count(a, sram_bytes=sram, **kw).total_bytes \
+            + fs.count_backward(a, sram_bytes=sram, **kw).total_bytes
+        assert r["hbm_gb"] == pytest.approx(want / 1e9)
+    # matmul FLOPs: forward 4·N²·d per head; backward 8·N²·d (standard), 10·N²·d (flash)
+    assert rows["standard"]["gflops"] == pytest.approx(12 * 1024**2 * 64 * 32 / 1e9)
+    assert rows["flash2"]["gflops"] == pytest.approx(14 * 1024**2 * 64 * 32 / 1e9)
+    md = (tmp_path / "fig2_left.md").read_text()
+    assert "standard (flashsim)" in md and "flash1 (flashsim)" in md
+    assert "| 66.6 |" in md and "| 75.2 |" in md and "41.7" in md and "7.3" in md
+    if not fs.gpu.available():
+        assert "needs a GPU" in md and data["gpu_timing_ms"] is None
+        assert "runtime column needs" in capsys.readouterr().out
+
+
+def test_fig2_middle(tmp_path):
+    mod = load("fig2_middle")
+    code = mod.main(["--quick", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "fig2_middle.json").read_text())
+    series = {}
+    for r in data["rows"]:
+        series.setdefault(r["series"], []).append(r)
+        assert r["hbm_bytes"] == fs.count(r["algorithm"], Nq=1024, Nk=1024, d=64,
+                                          batch_shape=(2, 16),
+                                          block_sizes=(r["Br"], r["Bc"])).total_bytes
+    assert [r["B"] for r in series["flash1"]] == [64, 128, 256, 512]
+    assert all(r["Br"] == 64 for r in series["flash1"])            # Br = min(B, d)
+    assert all(r["Bc"] == 64 for r in series["flash2"])            # Bc = min(B, d)
+    for name in ("flash1", "flash2"):                               # traffic falls with B
+        gb = [r["hbm_bytes"] for r in series[name]]
+        assert gb == sorted(gb, reverse=True) and gb[0] > gb[-1]
+    assert len({r["hbm_bytes"] for r in series["flash2_bc"]}) == 1  # Bc does not matter
+    md = (tmp_path / "fig2_middle.md").read_text()
+    assert "| 512 | 64×512 |" in md
+    if has_matplotlib():
+        assert code == 0
+        assert (tmp_path / "fig2_middle.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# -- flashsim sweep --backward / --algorithms ----------------------------------------------
+
+def test_sweep_backward_csv(capsys, tmp_path):
+    path = tmp_path / "bwd.csv"
+    code = cli_main(["sweep", "--backward", "--seq", "512", "--head-dim", "32", "--causal",
+                     "--min", "4KiB", "--max", "64KiB", "--points", "5", "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "backward" in out
+    rows = read_csv(path)
+    assert len(rows) == 5
+    for r in rows:
+        M = int(r["sram_bytes"])
+        for a in ("standard", "flash1", "flash2"):
+            want = fs.count_backward(a, Nq=512, Nk=512, d=32, sram_bytes=M, causal=True)
+            assert int(r[f"{a}_bytes"]) == want.total_bytes
+
+
+def test_sweep_square_forward(capsys, tmp_path):
+    path = tmp_path / "sq.csv"
+    code = cli_main(["sweep", "--seq", "512", "--head-dim", "64", "--algorithms",
+                     "flash2,square", "--min", "256B", "--max", "64KiB", "--points", "4",
+                     "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "square" in out and "square Br×Bc" in out and "standard" not in out.split("\n")[3]
+    rows = read_csv(path)
+    assert list(rows[0]) == ["sram_bytes", "flash2_bytes", "square_bytes", "flash2_Br",
+                             "flash2_Bc", "square_Br", "square_Bc"]
+    assert rows[0]["flash2_bytes"] == "" and rows[0]["square_bytes"] != ""   # 256 B: square only
+    for r in rows:
+        M = int(r["sram_bytes"])
+        assert int(r["square_bytes"]) == fs.count("square", Nq=512, Nk=512, d=64,
+                                                  sram_bytes=M).total_bytes
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--backward", "--algorithms", "square"],
+    ["sweep", "--algorithms", "flash3"],
+    ["sweep", "--algorithms", ","],
+])
+def test_sweep_bad_algorithms(capsys, argv):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashsim: error: ") and "Traceback" not in err
