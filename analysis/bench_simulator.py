@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import time
 import tracemalloc
 
 import numpy as np
 
-import flashsim as fs
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import flashsim as fs  # noqa: E402
 
 
 def dense_attention(q, k, v):
