@@ -227,3 +227,24 @@ def test_sweep_bad_algorithms(capsys, argv):
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("flashsim: error: ") and "Traceback" not in err
+
+
+def test_roofline_from_the_committed_benchmark(tmp_path):
+    mod = load("roofline")
+    assert mod.main(["--out", str(tmp_path)]) in (0, 2)   # 2: figure skipped, no matplotlib
+    text = (tmp_path / "roofline.md").read_text()
+    assert "flashsim-tc" in text and "sdpa-flash" in text and "ridge" in text
+    bench = json.load(open(ANALYSIS / "out" / "bench" / "bench.json"))
+    tc = [r for r in bench["rows"] if r["impl"] == "flashsim-tc" and r["fwd_ms"]]
+    assert text.count("| flashsim-tc |") == len(tc)
+    if has_matplotlib():
+        assert (tmp_path / "roofline.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(fs.gpu.available(), reason="a GPU is visible here")
+def test_model_vs_hardware_says_it_needs_a_gpu(capsys, tmp_path):
+    mod = load("model_vs_hardware")
+    assert mod.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert len(mod.CONFIGS) >= 12
+    assert {c[0] for c in mod.CONFIGS} == {"tc", "ref"}
