@@ -71,9 +71,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "bench"))
     ap.add_argument("--kernels", default="tc,ref", help="flashsim kernels to time, comma-separated")
+    ap.add_argument("--plot-only", metavar="BENCH_JSON", default=None,
+                    help="redraw bench.png from a saved bench.json (no GPU needed)")
     ap.add_argument("--only", default=None, help="implementations to time, comma-separated "
                     "(default: all)")
     a = ap.parse_args(argv)
+    if a.plot_only:
+        data = json.load(open(a.plot_only))
+        return plot(data["rows"], data["meta"], os.path.splitext(a.plot_only)[0] + ".png")
     import cupy as cp
     try:
         import torch
@@ -180,7 +185,43 @@ def main(argv=None):
     with open(os.path.join(a.out, "bench.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md[-len(rows):]) if len(rows) < 60 else f"{len(rows)} rows written")
+    plot(rows, meta, os.path.join(a.out, "bench.png"))
+
+
+def plot(rows, meta, path):
+    """Forward and backward TFLOP/s against N, one panel per (d, causal), float16."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('no plot: pip install "flashsim[analysis]"')
+        return 2
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    impls = sorted({r["impl"] for r in rows})
+    for col, (d, causal) in enumerate([(64, False), (64, True), (128, False), (128, True)]):
+        for row, key in enumerate(("fwd_tflops", "bwd_tflops")):
+            ax = axes[row, col]
+            for n, impl in enumerate(impls):
+                pts = sorted((r["N"], r[key]) for r in rows if r["impl"] == impl and r["d"] == d
+                             and r["causal"] == causal and r["dtype"] == "float16" and r.get(key))
+                if pts:
+                    ax.plot(*zip(*pts), "o-", color=f"C{n}", label=impl, ms=3)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{'forward' if row == 0 else 'backward'}, d = {d}, "
+                         f"{'causal' if causal else 'non-causal'}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("TFLOP/s")
+            if row == 1:
+                ax.set_xlabel("N (batch·N = 16k tokens)")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"Attention TFLOP/s, float16 — {meta['gpu']}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
