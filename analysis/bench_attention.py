@@ -133,10 +133,8 @@ def main(argv=None):
                         out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kern)
                         fwd = timer(cp, lambda: fs.gpu.attention(q, k, v, causal=causal,
                                                                  kernel=kern), reps=a.reps)
-                        # the backward has a reference rung only, so far
                         bwd = timer(cp, lambda: fs.gpu.attention_backward(
-                            q, k, v, out, lse, do, causal=causal), reps=a.reps) \
-                            if kern == "ref" else None
+                            q, k, v, out, lse, do, causal=causal, kernel=kern), reps=a.reps)
                         add(f"flashsim-{kern}", fwd, bwd)
                     if want("dense-cupy") and dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
                         qc, kc, vc = (cp.from_dlpack(x) if have_torch else x for x in (q, k, v))

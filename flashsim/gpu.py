@@ -90,7 +90,7 @@ def _kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
 @functools.lru_cache(maxsize=None)
 def _kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int):
     cp = _cupy()
-    if name == "flash2_fwd_tc":
+    if name in ("flash2_fwd_tc", "flash2_bwd_tc"):
         source, expr = "flash2_tc.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
     else:
         source, expr = "flash2_ref.cu", f"{name}<{K.CUDA_TYPES[dtype]}>"
@@ -100,18 +100,19 @@ def _kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int
 KERNELS = ("auto", "ref", "tc")
 
 
-def _tc_supports(shape: Shape, dtype: str, block_sizes) -> bool:
+def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
+    tiles = K.TC_BWD_BLOCKS if backward else K.TC_BLOCKS
     return (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS
-            and (block_sizes is None or tuple(block_sizes) == K.TC_BLOCKS[shape.d]))
+            and (block_sizes is None or tuple(block_sizes) == tiles[shape.d]))
 
 
-def _choose(kernel: str, shape: Shape, dtype: str, block_sizes) -> str:
+def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False) -> str:
     """"tc" (tensor cores) where it supports the inputs, else "ref"."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "ref":
         return "ref"
-    if _tc_supports(shape, dtype, block_sizes):
+    if _tc_supports(shape, dtype, block_sizes, backward):
         return "tc"
     if kernel == "tc":
         raise ValueError(
@@ -272,8 +273,8 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[
     `flashsim.simulate` to predict the kernels' traffic)."""
     qi, vi = _In(q, "q"), _In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
-    if not backward and _choose(kernel, shape, qi.dtype, None) == "tc":
-        return K.TC_BLOCKS[shape.d]
+    if _choose(kernel, shape, qi.dtype, None, backward) == "tc":
+        return (K.TC_BWD_BLOCKS if backward else K.TC_BLOCKS)[shape.d]
     return _blocks(None, shape, qi.dtype, backward)
 
 
@@ -359,9 +360,11 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
 # -- backward -----------------------------------------------------------------------------
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=None,
-                       block_sizes=None, count_io: bool = False):
+                       block_sizes=None, count_io: bool = False, kernel: str = "auto"):
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
-    (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32."""
+    (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
+    `attention`: the tensor-core main loop ("tc": float16/bfloat16, d = dv ∈ {64, 128},
+    tiles Br×Bc = 64×64 at d = 64 and 16×64 at d = 128) or the reference ("ref")."""
     cp = _cupy()
     qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
     shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)
@@ -383,7 +386,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     L = cp.ascontiguousarray(L.astype(cp.float32, copy=False)).reshape(-1, shape.Nq)
     scale = check_scale(scale, shape.d)
     left, right = _band(causal)
-    Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
+    which = _choose(kernel, shape, dtype, block_sizes, backward=True)
+    if which == "tc":
+        Br, Bc = K.TC_BWD_BLOCKS[shape.d]
+    else:
+        Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
     P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv
     O = oi.arr.reshape(P, Nq, dv)
     dO = doi.arr.reshape(P, Nq, dv)
@@ -398,10 +405,16 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     i32 = np.int32
     _launch(cp, _kernel("flash2_bwd_preprocess", dtype, count_io), (Tr, P), 0,
             (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
-    smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
-    _launch(cp, _kernel("flash2_bwd_main", dtype, count_io), (Tc, P), smem,
-            (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d), i32(dv),
-             i32(Br), i32(Bc), i32(left), i32(right), _scalar(dtype, scale), io))
+    if which == "tc":
+        smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
+        _launch(cp, _kernel("flash2_bwd_tc", dtype, count_io, d), (Tc, P), smem,
+                (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
+                 i32(right), np.float32(scale), io), threads=K.TC_BWD_THREADS)
+    else:
+        smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
+        _launch(cp, _kernel("flash2_bwd_main", dtype, count_io), (Tc, P), smem,
+                (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d),
+                 i32(dv), i32(Br), i32(Bc), i32(left), i32(right), _scalar(dtype, scale), io))
     _launch(cp, _kernel("flash2_bwd_postprocess", dtype, count_io), (Tr, P), 0,
             (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))
     dq = _reduce(cp, dQ, shape, qi.shape, Nq, d, dtype)

@@ -295,3 +295,222 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
 }
+
+// flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre- and post-pass
+// are the reference rung's; they only stream O, dO and dQacc once). K/V-outer like
+// flash2_bwd_main: one CTA per K/V tile j of Bc = 64 keys, 4 warps of 16 keys each;
+// the visited Q tiles stream through shared memory, double-buffered, in steps of
+// BrB = 64 queries (16 at D = 128, to fit the registers). Per step, each warp computes
+// Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for its 16 keys, so Pᵀ and dSᵀ come out of the MMA
+// accumulators already in the A-operand layout for dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i
+// (both kept in registers across the loop); dSᵀ goes through shared memory once for
+// dQ_i += dS K_j, which is added to the fp32 accumulator with atomics.
+namespace tcb {
+template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 64 : 16; }
+constexpr int Bc = 64, WARPS = 4, THREADS = 128;
+}  // namespace tcb
+
+template <typename T, int D>
+__global__ void __launch_bounds__(tcb::THREADS, 1)
+flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+              const int* __restrict__ kv_index, const T* __restrict__ dO,
+              const float* __restrict__ L, const float* __restrict__ Dv,
+              float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
+              int Nq, int Nk, int left, int right, float scale, unsigned long long* io) {
+    using namespace tc;
+    constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), SDS = BrB + 8;   // dSᵀ row stride (padded)
+    constexpr int THREADS = tcb::THREADS;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);       // Bc·D
+    T* sV = sK + Bc * D;                          // Bc·D
+    T* sQ = sV + Bc * D;                          // 2 × BrB·D
+    T* sdO = sQ + 2 * BrB * D;                    // 2 × BrB·D
+    T* sdS = sdO + 2 * BrB * D;                   // Bc × SDS: dSᵀ, keys × queries
+    float* sL = reinterpret_cast<float*>(sdS + Bc * SDS);   // 2 × BrB, L·log2(e)
+    float* sD = sL + 2 * BrB;                               // 2 × BrB
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int j = blockIdx.x, p = blockIdx.y;
+    const int j0 = j * Bc, cols = min(Bc, Nk - j0);
+    const long long kv = kv_index[p];
+    const Band band{left, right, Nk - Nq};
+    int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
+    band.q_range(j0, j0 + cols, Nq, BrB, &ilo, &ihi);
+    const int k0 = warp * 16 + g, k1 = k0 + 8;    // this thread's two keys (rows of Sᵀ)
+
+    float dv[D / 8][4], dk[D / 8][4];
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dv[t][e] = dk[t][e] = 0.f;
+
+    auto load_q_step = [&](int i, int buf) {
+        const int i0 = i * BrB, rows = min(BrB, Nq - i0);
+        const long long q_row = (long long)p * Nq + i0;
+        for (int x = tid; x < BrB * (D / 8); x += THREADS) {
+            const int r = x / (D / 8), c = x % (D / 8);
+            const bool ok = r < rows;
+            cp_async16(sQ + buf * BrB * D + swz<D>(r, c), Q + (ok ? (q_row + r) * D + c * 8 : 0), ok);
+            cp_async16(sdO + buf * BrB * D + swz<D>(r, c), dO + (ok ? (q_row + r) * D + c * 8 : 0), ok);
+        }
+        for (int r = tid; r < BrB; r += THREADS) {
+            sL[buf * BrB + r] = r < rows ? L[q_row + r] * LOG2E : neg_inf<float>();
+            sD[buf * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;
+        }
+        COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));    // HBM→SRAM: Q_i (Br·d)
+        COUNT_IO(io, IO_dO_R, (long long)rows * D * sizeof(T));   // HBM→SRAM: dO_i (Br·d)
+        COUNT_IO(io, IO_L_R, (long long)rows * 4);                // HBM→SRAM: L_i (Br)
+        COUNT_IO(io, IO_D_R, (long long)rows * 4);                // HBM→SRAM: D_i (Br)
+        cp_async_commit();
+    };
+
+    if (ihi >= ilo) {
+        for (int x = tid; x < Bc * (D / 8); x += THREADS) {
+            const int r = x / (D / 8), c = x % (D / 8);
+            const bool ok = r < cols;
+            cp_async16(sK + swz<D>(r, c), K + (ok ? (kv * Nk + j0 + r) * D + c * 8 : 0), ok);
+            cp_async16(sV + swz<D>(r, c), V + (ok ? (kv * Nk + j0 + r) * D + c * 8 : 0), ok);
+        }
+        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
+        cp_async_commit();
+        load_q_step(ilo, 0);
+    }
+    for (int i = ilo; i <= ihi; ++i) {
+        const int buf = (i - ilo) & 1;
+        const int i0 = i * BrB, rows = min(BrB, Nq - i0);
+        if (i < ihi) {
+            load_q_step(i + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* sQb = sQ + buf * BrB * D;
+        const T* sdOb = sdO + buf * BrB * D;
+        const float* sLb = sL + buf * BrB;
+        const float* sDb = sD + buf * BrB;
+
+        // Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for this warp's 16 keys: n = BrB queries
+        float s[BrB / 8][4], dp[BrB / 8][4];
+#pragma unroll
+        for (int t = 0; t < BrB / 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[t][e] = dp[t][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned ka[4], va[4];
+            ldsm_x4(ka, sK + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            ldsm_x4(va, sV + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+            for (int t = 0; t < BrB / 8; t += 2) {
+                unsigned b[4];
+                const int n = t * 8 + (lane & 7) + ((lane >> 4) << 3);
+                ldsm_x4(b, sQb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
+                Mma<T>::run(s[t], ka, b);
+                Mma<T>::run(s[t + 1], ka, b + 2);
+                ldsm_x4(b, sdOb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
+                Mma<T>::run(dp[t], va, b);
+                Mma<T>::run(dp[t + 1], va, b + 2);
+            }
+        }
+        // Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) where the key is real and seen; dSᵀ = Pᵀ ∘ (dPᵀ − D)
+        unsigned pa[BrB / 16][4], dsa[BrB / 16][4];
+#pragma unroll
+        for (int t = 0; t < BrB / 8; ++t) {
+            float pv[4], dsv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + (e < 2 ? k0 : k1), qc = t * 8 + tig * 2 + (e & 1);
+                const float l2 = sLb[qc];
+                const bool live = key < Nk && i0 + qc < Nq && band.sees(i0 + qc, key)
+                                  && l2 != neg_inf<float>();
+                pv[e] = live ? exp2f(s[t][e] * scale * LOG2E - l2) : 0.f;
+                dsv[e] = pv[e] * (dp[t][e] - sDb[qc]);
+            }
+            pa[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(pv[0], pv[1]);
+            pa[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(pv[2], pv[3]);
+            dsa[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(dsv[0], dsv[1]);
+            dsa[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(dsv[2], dsv[3]);
+            // dSᵀ to shared memory for dQ (keys × queries)
+            *reinterpret_cast<unsigned*>(sdS + k0 * SDS + t * 8 + tig * 2) = dsa[t >> 1][(t & 1) * 2 + 0];
+            *reinterpret_cast<unsigned*>(sdS + k1 * SDS + t * 8 + tig * 2) = dsa[t >> 1][(t & 1) * 2 + 1];
+        }
+        // dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i: k = queries, n = D (.trans: rows are queries)
+#pragma unroll
+        for (int kk = 0; kk < BrB / 16; ++kk) {
+#pragma unroll
+            for (int t = 0; t < D / 8; t += 2) {
+                unsigned b[4];
+                const int qr = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+                ldsm_x4_t(b, sdOb + swz<D>(qr, t + (lane >> 4)));
+                Mma<T>::run(dv[t], pa[kk], b);
+                Mma<T>::run(dv[t + 1], pa[kk], b + 2);
+                ldsm_x4_t(b, sQb + swz<D>(qr, t + (lane >> 4)));
+                Mma<T>::run(dk[t], dsa[kk], b);
+                Mma<T>::run(dk[t + 1], dsa[kk], b + 2);
+            }
+        }
+        __syncthreads();                                      // dSᵀ is complete
+
+        // dQ_i += scale · dS K_j: m = BrB queries over the warps, k = Bc keys, n = D
+        {
+            constexpr int MT = BrB / 16, NSPLIT = tcb::WARPS / MT, NW = D / NSPLIT;
+            const int mt = warp % MT, n0 = (warp / MT) * NW;
+            float dq[NW / 8][4];
+#pragma unroll
+            for (int t = 0; t < NW / 8; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk) {
+                unsigned a[4];   // dS from dSᵀ (.trans): rows = queries, k = keys
+                const int kr = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
+                ldsm_x4_t(a, sdS + kr * SDS + mt * 16 + (((lane >> 3) & 1) << 3));
+#pragma unroll
+                for (int t = 0; t < NW / 8; t += 2) {
+                    unsigned b[4];
+                    const int krow = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+                    ldsm_x4_t(b, sK + swz<D>(krow, (n0 >> 3) + t + (lane >> 4)));
+                    Mma<T>::run(dq[t], a, b);
+                    Mma<T>::run(dq[t + 1], a, b + 2);
+                }
+            }
+            const long long q_row = (long long)p * Nq + i0;
+            const int r0 = mt * 16 + g, r1 = r0 + 8;
+#pragma unroll
+            for (int t = 0; t < NW / 8; ++t) {
+                const int c = n0 + t * 8 + tig * 2;
+                if (r0 < rows) {
+                    atomicAdd(dQacc + (q_row + r0) * D + c, scale * dq[t][0]);
+                    atomicAdd(dQacc + (q_row + r0) * D + c + 1, scale * dq[t][1]);
+                }
+                if (r1 < rows) {
+                    atomicAdd(dQacc + (q_row + r1) * D + c, scale * dq[t][2]);
+                    atomicAdd(dQacc + (q_row + r1) * D + c + 1, scale * dq[t][3]);
+                }
+            }
+        }
+        COUNT_IO(io, IO_dQacc_R, (long long)rows * D * 4);        // HBM→SRAM: dQacc_i (Br·d fp32)
+        COUNT_IO(io, IO_dQacc_W, (long long)rows * D * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
+        __syncthreads();                                      // buffers and dSᵀ are reused
+    }
+
+    // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
+    T* dKj = dK + ((long long)p * Nk + j0) * D;
+    T* dVj = dV + ((long long)p * Nk + j0) * D;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int c = t * 8 + tig * 2;
+        if (k0 < cols) {
+            *reinterpret_cast<unsigned*>(dKj + (long long)k0 * D + c) = Mma<T>::pack(scale * dk[t][0], scale * dk[t][1]);
+            *reinterpret_cast<unsigned*>(dVj + (long long)k0 * D + c) = Mma<T>::pack(dv[t][0], dv[t][1]);
+        }
+        if (k1 < cols) {
+            *reinterpret_cast<unsigned*>(dKj + (long long)k1 * D + c) = Mma<T>::pack(scale * dk[t][2], scale * dk[t][3]);
+            *reinterpret_cast<unsigned*>(dVj + (long long)k1 * D + c) = Mma<T>::pack(dv[t][2], dv[t][3]);
+        }
+    }
+    COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
+}

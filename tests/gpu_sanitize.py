@@ -29,14 +29,14 @@ def dev(x, dtype):
     return cp.asarray(x.astype(dtype))
 
 
-def main(n_cases: int = 6) -> int:
+def main(n_cases: int = 8) -> int:
     rng = np.random.default_rng(0)
     dtypes = ["float16", "float32", "float64"] + (["bfloat16"] if HAVE_TORCH else [])
     launches = 0
     for case in range(n_cases):
         Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
-        d = int(rng.choice([3, 16, 40, 64, 96]))
-        dv = int(rng.choice([d, 8, 24]))
+        d = int(rng.choice([3, 16, 40, 64, 128]))
+        dv = int(rng.choice([d, d, 24]))
         hk, g = int(rng.integers(1, 3)), int(rng.integers(1, 3))
         blocks = [None, (16, 32), (7, 5)][case % 3]
         for dtype in dtypes:
@@ -46,15 +46,18 @@ def main(n_cases: int = 6) -> int:
                 v = rng.standard_normal((2, hk, Nk, dv))
                 qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
                 for count_io in (False, True):
-                    out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
-                                                count_io=count_io)[:2]
-                    dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
-                    fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
-                                              block_sizes=blocks, count_io=count_io)
-                    launches += 4
+                    for kernel in ("ref", "auto"):      # auto: the tensor-core rung where it runs
+                        b = blocks if kernel == "ref" else None
+                        out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=b,
+                                                    count_io=count_io, kernel=kernel)[:2]
+                        dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
+                        fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
+                                                  block_sizes=b, count_io=count_io, kernel=kernel)
+                        launches += 4
     import cupy as cp
     cp.cuda.Device().synchronize()
-    print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × 2 builds)")
+    print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
+          "2 builds × 2 rungs)")
     return 0
 
 

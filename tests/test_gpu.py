@@ -174,7 +174,16 @@ def s_condition(q, k, dtype):
 
 @given(gpu_problems(max_seq=400))
 def test_backward_matches_simulator(poisoned, problem):
-    q, k, v, dtype, causal, blocks = problem
+    check_backward(*problem, kernel="ref")
+
+
+@given(gpu_problems(max_seq=400, head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False,
+                    same_dv=True))
+def test_tensor_core_backward_matches_simulator(poisoned, problem):
+    check_backward(*problem, kernel="tc")
+
+
+def check_backward(q, k, v, dtype, causal, blocks, kernel):
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype, backward=True):
         blocks = None
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
@@ -183,10 +192,10 @@ def test_backward_matches_simulator(poisoned, problem):
     dout = make_precision("kernel", dtype).io_round(rng.standard_normal(host(out).shape)).astype(np.float64)
     dq, dk, dv, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
                                                     causal=causal, block_sizes=blocks,
-                                                    count_io=True)
+                                                    count_io=True, kernel=kernel)
     dq, dk, dv = map(host, (dq, dk, dv))
     assert not any(np.isnan(x).any() for x in (dq, dk, dv)), "a gradient was not written"
-    used = blocks or fs.gpu.block_sizes(qd, vd, backward=True)
+    used = blocks or fs.gpu.block_sizes(qd, vd, backward=True, kernel=kernel)
     o, L = host(out), host(lse)
     sim = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=used,
                                causal=causal, io_dtype=dtype)
