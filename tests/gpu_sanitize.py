@@ -4,6 +4,8 @@
         compute-sanitizer --tool $tool --error-exitcode 1 python3 tests/gpu_sanitize.py
     done
 
+(racecheck is the slowest tool: `python3 tests/gpu_sanitize.py 3` runs 3 shapes.)
+
 Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
 fast and the instrumented builds, forward and backward.
 """
@@ -62,4 +64,4 @@ def main(n_cases: int = 8) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 8))
