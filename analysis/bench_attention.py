@@ -25,7 +25,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _common import cuda_time as timer  # noqa: E402  (puts the repository root on sys.path)
+
 import flashsim as fs  # noqa: E402
 
 TOKENS = 16384
@@ -35,22 +36,6 @@ HIDDEN = 2048
 def flops(B, H, N, d, causal, backward=False):
     f = 4 * B * H * N * N * d / (2 if causal else 1)
     return f * (2.5 if backward else 1.0)
-
-
-def timer(cp, fn, warmup=3, reps=10):
-    """Median milliseconds of fn() with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def dense_cupy(cp, q, k, v, causal, scale):
