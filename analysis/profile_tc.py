@@ -1,0 +1,35 @@
+"""One launch of each tensor-core kernel at the benchmark's d = 128, N = 4096 float16
+shape, for Nsight Compute:
+
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+        --section Occupancy --section MemoryWorkloadAnalysis -k regex:_tc -c 2 \
+        python3 analysis/profile_tc.py [--d 128] [--n 4096]
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import flashsim as fs  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--n", type=int, default=4096)
+    a = ap.parse_args(argv)
+    import cupy as cp
+    rng = np.random.default_rng(0)
+    B, H = 16384 // a.n, 2048 // a.d
+    q, k, v, do = (cp.asarray(rng.standard_normal((B, H, a.n, a.d)).astype(np.float16))
+                   for _ in range(4))
+    out, lse = fs.gpu.attention(q, k, v, kernel="tc")
+    fs.gpu.attention_backward(q, k, v, out, lse, do, kernel="tc")
+    cp.cuda.Device().synchronize()
+
+
+if __name__ == "__main__":
+    main()
