@@ -364,7 +364,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
     `attention`: the tensor-core main loop ("tc": float16/bfloat16, d = dv ∈ {64, 128},
-    tiles Br×Bc = 64×64 at d = 64 and 16×64 at d = 128) or the reference ("ref")."""
+    tiles Br×Bc = 64×128 at d = 64 and 16×128 at d = 128) or the reference ("ref")."""
     cp = _cupy()
     qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
     shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)

@@ -35,8 +35,8 @@ TC_HEAD_DIMS = (64, 128)
 TC_BLOCKS = {64: (64, 64), 128: (128, 64)}
 TC_THREADS = {64: 128, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 4 warps
-TC_BWD_BLOCKS = {64: (64, 64), 128: (16, 64)}
-TC_BWD_THREADS = 128
+TC_BWD_BLOCKS = {64: (64, 128), 128: (16, 128)}
+TC_BWD_THREADS = 256
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
 // flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre- and post-pass
 // are the reference rung's; they only stream O, dO and dQacc once). K/V-outer like
-// flash2_bwd_main: one CTA per K/V tile j of Bc = 64 keys, 4 warps of 16 keys each;
+// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys, 8 warps of 16 keys each;
 // the visited Q tiles stream through shared memory, double-buffered, in steps of
 // BrB = 64 queries (16 at D = 128, to fit the registers). Per step, each warp computes
 // Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for its 16 keys, so Pᵀ and dSᵀ come out of the MMA
@@ -307,7 +307,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // dQ_i += dS K_j, which is added to the fp32 accumulator with atomics.
 namespace tcb {
 template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 64 : 16; }
-constexpr int Bc = 64, WARPS = 4, THREADS = 128;
+// 8 warps of 16 keys: Bc = 128 keys per CTA halves the dQ atomics against Bc = 64
+#ifndef FLASHSIM_TCB_WARPS
+#define FLASHSIM_TCB_WARPS 8
+#endif
+constexpr int WARPS = FLASHSIM_TCB_WARPS, Bc = 16 * WARPS, THREADS = 32 * WARPS;
 }  // namespace tcb
 
 template <typename T, int D>
