@@ -25,7 +25,9 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="4:64:1,8:64:1,4:32:1,8:32:1,4:128:1,4:64:2",
-                    help="warps:Bc:minblocks, comma-separated")
+                    help="warps:Bc:minblocks[:m-tiles per warp], comma-separated")
+    ap.add_argument("--dims", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                    help="head dims to try (default 64,128)")
     a = ap.parse_args(argv)
     import cupy as cp
     src = (K.kernel_dir() / "flash2_tc.cu").read_text()
@@ -40,11 +42,15 @@ def main(argv=None):
         kv_index = cp.arange(B * H, dtype=cp.int32)
         flops = 4 * B * H * N * N * D
         for var in a.variants.split(","):
-            warps, bc, minb = (int(x) for x in var.split(":"))
-            Br = 16 * warps
+            warps, bc, minb, *rest = (int(x) for x in var.split(":"))
+            mt = rest[0] if rest else 1
+            if a.dims and D not in a.dims:
+                continue
+            Br = 16 * warps * mt
             opts = fs.gpu.compile_options(False) + (f"-DFLASHSIM_TC_WARPS={warps}",
                                                     f"-DFLASHSIM_TC_BC={bc}",
-                                                    f"-DFLASHSIM_TC_MINBLOCKS={minb}")
+                                                    f"-DFLASHSIM_TC_MINBLOCKS={minb}",
+                                                    f"-DFLASHSIM_TC_MT={mt}")
             try:
                 mod = cp.RawModule(code=src, options=opts,
                                    name_expressions=[f"flash2_fwd_tc<__half, {D}>"])
@@ -76,7 +82,7 @@ def main(argv=None):
                 e1.synchronize()
                 ts.append(cp.cuda.get_elapsed_time(e0, e1))
             ms = float(np.median(ts))
-            print(f"D={D} N={N} warps={warps} Br={Br} Bc={bc} minblocks={minb} "
+            print(f"D={D} N={N} warps={warps} m-tiles={mt} Br={Br} Bc={bc} minblocks={minb} "
                   f"regs={kern.num_regs} smem={smem}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TF/s, "
                   f"max|O - ref| = {err:.2e}", flush=True)
 

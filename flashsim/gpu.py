@@ -323,7 +323,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "tc" the tensor-core kernel (float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 64×64 at d = 64 and 128×64 at d = 128), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
+    tiles 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
     "auto" (default): "tc" whenever it supports the inputs.
     """
     cp = _cupy()

@@ -31,8 +31,9 @@ SOURCES = {
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIMS = (64, 128)
-# (Br, Bc) and threads per head dim: 4 or 8 warps of 16 query rows (kernels_cu/NOTES.md)
-TC_BLOCKS = {64: (64, 64), 128: (128, 64)}
+# (Br, Bc) and threads per head dim: 4 warps of 32 query rows at d = 64, 8 warps of 16 at
+# d = 128 (kernels_cu/NOTES.md)
+TC_BLOCKS = {64: (128, 64), 128: (128, 64)}
 TC_THREADS = {64: 128, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 4 warps
 TC_BWD_BLOCKS = {64: (64, 128), 128: (16, 128)}

@@ -3,11 +3,10 @@
 //
 // Kernels in this file, each a rung over the last:
 //   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
-//                        tiles Br × Bc = 64 × 64 (D = 64), 128 × 64 (D = 128). Adds over
-//                        flash2_fwd (the reference):
+//                        tiles Br × Bc = 128 × 64. Adds over flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
 //                          and O += P V, so it also runs on Ampere;
-//                        - warps split along Q (16 rows each): each warp owns whole rows
+//                        - warps split along Q (16 or 32 rows each): each warp owns whole rows
 //                          of S, so the softmax needs no inter-warp reduction;
 //                        - Q held in registers for the whole loop; P goes from the S
 //                          accumulators to the A operand of the second MMA without shared
@@ -27,8 +26,8 @@ namespace tc {
 // Tile shape: WARPS warps of 16 query rows each, Bc keys per K/V tile. The defaults are
 // the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
 // analysis/tune_tc.py, which builds and times variants side by side.
-// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps (Br = 64) at D = 64, 8 warps
-// (Br = 128) at D = 128, Bc = 64, no spills.
+// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps × 2 m-tiles (Br = 128) at
+// D = 64, 8 warps × 1 m-tile (Br = 128) at D = 128, Bc = 64, no spills.
 #ifndef FLASHSIM_TC_WARPS
 #define FLASHSIM_TC_WARPS 0
 #endif
@@ -39,6 +38,12 @@ namespace tc {
 #define FLASHSIM_TC_MINBLOCKS 1
 #endif
 template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : (D == 64 ? 4 : 8); }
+// m-tiles of 16 rows per warp: 2 at D = 64 (+15%, analysis/tune_tc.py), 1 at D = 128
+// (2 would spill); the macro overrides it for tuning
+#ifndef FLASHSIM_TC_MT
+#define FLASHSIM_TC_MT 0
+#endif
+template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (D == 64 ? 2 : 1); }
 constexpr int Bc = FLASHSIM_TC_BC;
 
 template <typename T> struct Mma;
@@ -118,7 +123,9 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               int Nq, int Nk, int left, int right, float scale_log2,
               unsigned long long* io) {
     using namespace tc;
-    constexpr int Br = 16 * warps<D>(), THREADS = 32 * warps<D>();
+    // each warp owns MT m-tiles of 16 query rows: every K/V fragment it loads feeds MT MMAs
+    constexpr int MT = mtiles<D>(), RW = 16 * MT;
+    constexpr int Br = RW * warps<D>(), THREADS = 32 * warps<D>();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·D
     T* sK = sQ + Br * D;                             // 2 buffers of Bc·D
@@ -135,7 +142,6 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Band band{left, right, Nk - Nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
-    const int r0 = warp * 16 + g, r1 = r0 + 8;       // this thread's two rows in the tile
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         for (int x = threadIdx.x; x < rows * D; x += THREADS) O[q_row * D + x] = from_acc<T>(0.0f);
@@ -159,17 +165,23 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     cp_async_wait<1>();                              // Q has landed
     __syncthreads();
 
-    // Q_i stays in registers: A fragments of this warp's 16 rows, D/16 k-steps
-    unsigned qf[D / 16][4];
+    // Q_i stays in registers: A fragments of this warp's rows, D/16 k-steps
+    unsigned qf[MT][D / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        ldsm_x4(qf[kk], sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldsm_x4(qf[mi][kk], sQ + swz<D>(warp * RW + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
+    float m[MT][2], l[MT][2];                        // running max (log2 domain), partial sums
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-    float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max, log2 domain
-    float l0 = 0.f, l1 = 0.f;                              // per-thread partial row sums
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) o[mi][t][0] = o[mi][t][1] = o[mi][t][2] = o[mi][t][3] = 0.f;
+        m[mi][0] = m[mi][1] = neg_inf<float>();
+        l[mi][0] = l[mi][1] = 0.f;
+    }
 
     for (int j = jlo; j <= jhi; ++j) {
         const int buf = (j - jlo) & 1;
@@ -188,10 +200,12 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         }
         __syncthreads();
 
-        // S = Q_i K_jᵀ: 16 × 64 per warp, 8 n-tiles of 8 keys
-        float s[Bc / 8][4];
+        // S = Q_i K_jᵀ: RW × Bc per warp, Bc/8 n-tiles of 8 keys per m-tile
+        float s[MT][Bc / 8][4];
 #pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t) s[mi][t][0] = s[mi][t][1] = s[mi][t][2] = s[mi][t][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -199,8 +213,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 unsigned b[4];   // (n-tile t: k lo, k hi), (n-tile t+1: k lo, k hi)
                 const int n = t * 8 + (lane & 7) + ((lane >> 4) << 3);
                 ldsm_x4(b, sKb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
-                Mma<T>::run(s[t], qf[kk], b);
-                Mma<T>::run(s[t + 1], qf[kk], b + 2);
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi) {
+                    Mma<T>::run(s[mi][t], qf[mi][kk], b);
+                    Mma<T>::run(s[mi][t + 1], qf[mi][kk], b + 2);
+                }
             }
         }
 
@@ -209,54 +226,57 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         const bool ragged = j0 + Bc > Nk;
         const bool partial = ragged || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
                              || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
-        if (partial) {
+        unsigned pf[MT][Bc / 16][4];                 // P as the A operand of P V
 #pragma unroll
-            for (int t = 0; t < Bc / 8; ++t)
+        for (int mi = 0; mi < MT; ++mi) {
+            const int r0 = warp * RW + mi * 16 + g, r1 = r0 + 8;
+            if (partial) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = j0 + t * 8 + tig * 2 + (e & 1);
-                    const int r = i0 + (e < 2 ? r0 : r1);
-                    if (c >= Nk || !band.sees(r, c)) s[t][e] = neg_inf<float>();
-                }
+                for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int c = j0 + t * 8 + tig * 2 + (e & 1);
+                        const int r = i0 + (e < 2 ? r0 : r1);
+                        if (c >= Nk || !band.sees(r, c)) s[mi][t][e] = neg_inf<float>();
+                    }
+            }
+            // online softmax in the log2 domain: p = 2^(s·scale·log2e − m)
+            float mx0 = m[mi][0], mx1 = m[mi][1];
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t) {
+                mx0 = fmaxf(mx0, fmaxf(s[mi][t][0], s[mi][t][1]) * scale_log2);
+                mx1 = fmaxf(mx1, fmaxf(s[mi][t][2], s[mi][t][3]) * scale_log2);
+            }
+#pragma unroll
+            for (int off = 1; off < 4; off <<= 1) {  // the 4 threads of a quad share a row
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
+            }
+            const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
+            const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
+            const float a0 = exp2f(m[mi][0] - ms0), a1 = exp2f(m[mi][1] - ms1);
+            m[mi][0] = mx0;
+            m[mi][1] = mx1;
+            l[mi][0] *= a0;
+            l[mi][1] *= a1;
+#pragma unroll
+            for (int t = 0; t < D / 8; ++t) {
+                o[mi][t][0] *= a0; o[mi][t][1] *= a0; o[mi][t][2] *= a1; o[mi][t][3] *= a1;
+            }
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t) {
+                const float p0 = exp2f(fmaf(s[mi][t][0], scale_log2, -ms0));
+                const float p1 = exp2f(fmaf(s[mi][t][1], scale_log2, -ms0));
+                const float p2 = exp2f(fmaf(s[mi][t][2], scale_log2, -ms1));
+                const float p3 = exp2f(fmaf(s[mi][t][3], scale_log2, -ms1));
+                l[mi][0] += p0 + p1;
+                l[mi][1] += p2 + p3;
+                pf[mi][t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(p0, p1);   // row g
+                pf[mi][t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(p2, p3);   // row g + 8
+            }
         }
 
-        // online softmax in the log2 domain: p = 2^(s·scale·log2e − m)
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            mx0 = fmaxf(mx0, fmaxf(s[t][0], s[t][1]) * scale_log2);
-            mx1 = fmaxf(mx1, fmaxf(s[t][2], s[t][3]) * scale_log2);
-        }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {      // the 4 threads of a quad share a row
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
-        }
-        const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
-        const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
-        const float a0 = exp2f(m0 - ms0), a1 = exp2f(m1 - ms1);
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= a0;
-        l1 *= a1;
-#pragma unroll
-        for (int t = 0; t < D / 8; ++t) {
-            o[t][0] *= a0; o[t][1] *= a0; o[t][2] *= a1; o[t][3] *= a1;
-        }
-        unsigned pf[Bc / 16][4];                     // P as the A operand of P V
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            const float p0 = exp2f(fmaf(s[t][0], scale_log2, -ms0));
-            const float p1 = exp2f(fmaf(s[t][1], scale_log2, -ms0));
-            const float p2 = exp2f(fmaf(s[t][2], scale_log2, -ms1));
-            const float p3 = exp2f(fmaf(s[t][3], scale_log2, -ms1));
-            l0 += p0 + p1;
-            l1 += p2 + p3;
-            pf[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(p0, p1);   // row g
-            pf[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(p2, p3);   // row g + 8
-        }
-
-        // O_i += P V_j: k = keys (4 k-steps of 16), n = D/8 tiles of 8 columns
+        // O_i += P V_j: k = keys (Bc/16 k-steps), n = D/8 tiles of 8 columns
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk) {
 #pragma unroll
@@ -264,33 +284,43 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 unsigned b[4];   // V rows are keys: .trans turns them into B fragments
                 const int kr = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
                 ldsm_x4_t(b, sVb + swz<D>(kr, t + (lane >> 4)));
-                Mma<T>::run(o[t], pf[kk], b);
-                Mma<T>::run(o[t + 1], pf[kk], b + 2);
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi) {
+                    Mma<T>::run(o[mi][t], pf[mi][kk], b);
+                    Mma<T>::run(o[mi][t + 1], pf[mi][kk], b + 2);
+                }
             }
         }
         __syncthreads();                             // buffer buf is refilled next step
     }
 
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffff, l0, off);
-        l1 += __shfl_xor_sync(0xffffffff, l1, off);
-    }
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     T* Oi = O + q_row * D;
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const int c = t * 8 + tig * 2;
-        if (r0 < rows)
-            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) = Mma<T>::pack(o[t][0] * inv0, o[t][1] * inv0);
-        if (r1 < rows)
-            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) = Mma<T>::pack(o[t][2] * inv1, o[t][3] * inv1);
-    }
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    for (int mi = 0; mi < MT; ++mi) {
+        const int r0 = warp * RW + mi * 16 + g, r1 = r0 + 8;
+        float l0 = l[mi][0], l1 = l[mi][1];
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            l0 += __shfl_xor_sync(0xffffffff, l0, off);
+            l1 += __shfl_xor_sync(0xffffffff, l1, off);
+        }
+        const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+            const int c = t * 8 + tig * 2;
+            if (r0 < rows)
+                *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) =
+                    Mma<T>::pack(o[mi][t][0] * inv0, o[mi][t][1] * inv0);
+            if (r1 < rows)
+                *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) =
+                    Mma<T>::pack(o[mi][t][2] * inv1, o[mi][t][3] * inv1);
+        }
+        if (tig == 0) {
+            constexpr float LN2 = 0.6931471805599453f;
+            if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m[mi][0] + log2f(l0)) * LN2 : neg_inf<float>();
+            if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m[mi][1] + log2f(l1)) * LN2 : neg_inf<float>();
+        }
     }
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
