@@ -174,6 +174,32 @@ def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
 
 # -- FlashAttention-2 forward (Q outer, K/V inner, deferred normalisation) ---------------
 
+def kv_sweep(mc: Machine, Qi, K, V, shape: Shape, tiles: Tiles, scores: Scores, i: int,
+             j_first: int, j_last: int, prec: Precision = EXACT):
+    """FlashAttention-2's inner loop for Q tile i over K/V tiles j_first..j_last: the
+    online softmax with deferred normalisation. Returns the unnormalised O_i and the row
+    statistics m_i, ℓ_i (still in SRAM; the caller owns their slots)."""
+    rows = Qi.shape[-2]
+    Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv),
+                  dtype=prec.acc)
+    mi = np.full(Oi.shape[:-1], NEG_INF, dtype=prec.acc)
+    li = np.zeros(Oi.shape[:-1], dtype=prec.acc)
+    for j in range(j_first, j_last + 1):
+        j0, j1 = j * tiles.Bc, min((j + 1) * tiles.Bc, shape.Nk)
+        Kj = mc.load("K", K, j0, j1)                             # HBM→SRAM: K_j (Bc·d)
+        Vj = mc.load("V", V, j0, j1)                             # HBM→SRAM: V_j (Bc·dv)
+        mc.scratch("S", rows, j1 - j0)
+        S, _ = scores.tile(Qi, Kj, tiles, i, j)
+        m_new = np.maximum(mi, S.max(axis=-1))
+        P = np.exp(S - _safe(m_new)[..., None])                  # P̃_ij overwrites S_ij
+        alpha = np.exp(mi - _safe(m_new))                        # e^{m_old − m_new}
+        li = alpha * li + P.sum(axis=-1)
+        Oi = alpha[..., None] * Oi + prec.io_round(P) @ Vj       # unnormalised until the end
+        mi = m_new
+        mc.free("K", "V", "S")
+    return Oi, mi, li
+
+
 def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
             prec: Precision = EXACT):
     Br, Bc = tiles.Br, tiles.Bc
@@ -194,23 +220,7 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
         Qi = mc.load("Q", Q, i0, i1)                             # HBM→SRAM: Q_i (Br·d)
         mc.scratch("l", rows, stat=True)
         mc.scratch("m_new", rows, stat=True)
-        Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv),
-                      dtype=prec.acc)
-        mi = np.full(Oi.shape[:-1], NEG_INF, dtype=prec.acc)
-        li = np.zeros(Oi.shape[:-1], dtype=prec.acc)
-        for j in range(jlo[i], jhi[i] + 1):
-            j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
-            Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
-            Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
-            mc.scratch("S", rows, j1 - j0)
-            S, _ = scores.tile(Qi, Kj, tiles, i, j)
-            m_new = np.maximum(mi, S.max(axis=-1))
-            P = np.exp(S - _safe(m_new)[..., None])              # P̃_ij overwrites S_ij
-            alpha = np.exp(mi - _safe(m_new))                    # e^{m_old − m_new}
-            li = alpha * li + P.sum(axis=-1)
-            Oi = alpha[..., None] * Oi + prec.io_round(P) @ Vj   # unnormalised until the end
-            mi = m_new
-            mc.free("K", "V", "S")
+        Oi, mi, li = kv_sweep(mc, Qi, K, V, shape, tiles, scores, i, jlo[i], jhi[i], prec)
         seen = li > 0
         Oi = Oi / np.where(seen, li, 1.0)[..., None]             # diag(ℓ_i)^−1 O_i, once
         with np.errstate(divide="ignore"):

@@ -80,11 +80,6 @@ def split_bounds(jlo, jhi, num_splits: int):
     return cuts[:, :-1], cuts[:, 1:]
 
 
-def _safe(m: np.ndarray) -> np.ndarray:
-    # exp(−∞ − 0) = 0 where exp(−∞ − (−∞)) would be NaN
-    return np.where(np.isneginf(m), 0.0, m)
-
-
 def combine_chunks(budget: int, rows: int, dv: int) -> tuple[int, int]:
     """(R, nc): rows per combine chunk and values per streamed piece of a partial row.
 
@@ -102,10 +97,11 @@ def combine_chunks(budget: int, rows: int, dv: int) -> tuple[int, int]:
 # -- simulation -------------------------------------------------------------------------
 
 def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
+    # each part runs flash2's inner loop (simulate imports this module, hence the late import)
+    from .simulate import _flash2, _safe, kv_sweep
     s = _check_splits(num_splits)
     if s == 1:
-        from .simulate import _flash2   # FlashAttention runs the unsplit kernel
-        return _flash2(mc, Q, K, V, shape, tiles, scores)
+        return _flash2(mc, Q, K, V, shape, tiles, scores)   # FlashAttention's unsplit kernel
 
     Br, Bc, dv = tiles.Br, tiles.Bc, shape.dv
     lead = canon_batch(shape)
@@ -130,22 +126,8 @@ def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
             Qi = mc.load("Q", Q, i0, i1)                         # HBM→SRAM: Q_i (Br·d)
             mc.scratch("l", rows, stat=True)
             mc.scratch("m_new", rows, stat=True)
-            Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, dv))
-            mi = np.full(Oi.shape[:-1], NEG_INF)
-            li = np.zeros(Oi.shape[:-1])
-            for j in range(start[i, p], stop[i, p]):
-                j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
-                Kj = mc.load("K", K, j0, j1)                     # HBM→SRAM: K_j (Bc·d)
-                Vj = mc.load("V", V, j0, j1)                     # HBM→SRAM: V_j (Bc·dv)
-                mc.scratch("S", rows, j1 - j0)
-                S, _ = scores.tile(Qi, Kj, tiles, i, j)
-                m_new = np.maximum(mi, S.max(axis=-1))
-                P = np.exp(S - _safe(m_new)[..., None])          # P̃_ij overwrites S_ij
-                alpha = np.exp(mi - _safe(m_new))
-                li = alpha * li + P.sum(axis=-1)
-                Oi = alpha[..., None] * Oi + P @ Vj
-                mi = m_new
-                mc.free("K", "V", "S")
+            Oi, mi, li = kv_sweep(mc, Qi, K, V, shape, tiles, scores, i, start[i, p],
+                                  stop[i, p] - 1)
             seen = li > 0                                        # rows with a key in this part
             Oi = Oi / np.where(seen, li, 1.0)[..., None]
             with np.errstate(divide="ignore"):
