@@ -84,6 +84,18 @@ def gpu_info():
     return cp, name.decode() if isinstance(name, bytes) else name
 
 
+def time_on_gpu(time_fn, *args):
+    """(timing, GPU name): ``time_fn(cp, *args)`` on the GPU when there is one, else
+    (None, None) after saying that the runtime column needs one."""
+    cp, gpu = gpu_info()
+    if cp is None:
+        print("no GPU (fs.gpu.available() is False): the runtime column needs CuPy and a "
+              "CUDA GPU; leaving it empty")
+        return None, None
+    print(f"timing on {gpu} ...")
+    return time_fn(cp, *args), gpu
+
+
 def cuda_time(cp, fn, warmup: int = 3, reps: int = 10) -> float:
     """Median milliseconds of fn() over ``reps`` runs timed with CUDA events."""
     import numpy as np

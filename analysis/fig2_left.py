@@ -230,14 +230,7 @@ def main(argv=None) -> int:
     f1 = (fs.count("flash1", Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS), block_sizes=(64, 256))
           + fs.count_backward("flash1", Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS),
                               block_sizes=(64, 256)))
-    cp, gpu = C.gpu_info()
-    timing = None
-    if cp is None:
-        print("no GPU (fs.gpu.available() is False): the runtime column needs CuPy and a "
-              "CUDA GPU; leaving it empty")
-    else:
-        print(f"timing on {gpu} ...")
-        timing = time_gpu(cp, batch, a.reps)
+    timing, gpu = C.time_on_gpu(time_gpu, batch, a.reps)
     meta = {"N": N, "d": D, "heads": HEADS, "batch": batch, "dtype": "float16",
             "causal": False, "quick": a.quick, "sram_bytes": SRAM, "gpu": gpu,
             "reps": a.reps, "date": datetime.date.today().isoformat(),

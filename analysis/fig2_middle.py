@@ -205,14 +205,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     batch = 2 if a.quick else BATCH
     rows = count_rows(batch)
-    cp, gpu = C.gpu_info()
-    timing = None
-    if cp is None:
-        print("no GPU (fs.gpu.available() is False): the runtime column needs CuPy and a "
-              "CUDA GPU; leaving it empty")
-    else:
-        print(f"timing on {gpu} ...")
-        timing = time_gpu(cp, batch, a.reps)
+    timing, gpu = C.time_on_gpu(time_gpu, batch, a.reps)
     meta = {"N": N, "d": D, "heads": HEADS, "batch": batch, "dtype": "float16",
             "causal": False, "quick": a.quick, "gpu": gpu, "reps": a.reps,
             "date": datetime.date.today().isoformat(),
