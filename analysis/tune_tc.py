@@ -1,11 +1,17 @@
-"""Build, check and time variants of the tensor-core forward kernel side by side.
+"""Build, check and time variants of the tensor-core kernels side by side.
 
-    python3 analysis/tune_tc.py [--n 4096] [--reps 20]
+    python3 analysis/tune_tc.py [--n 4096] [--reps 20] [--dims 64,128]
+        [--variants warps:Bc:minblocks[:m-tiles[:qreg]],...]
+        [--bwd-variants BrB[:warps],...] [--define NAME=VALUE ...]
 
-Each variant is flash2_tc.cu compiled with other tile macros (warps per CTA, Bc, the
-minimum blocks per SM given to __launch_bounds__); each is checked against the
-reference kernel's output on the same inputs and timed with CUDA events (median).
-Needs a GPU and CuPy; prints one table (TFLOP/s by 4·B·H·N²·d).
+Forward variants are flash2_tc.cu compiled with other tile macros (warps per CTA, Bc,
+the minimum CTAs per SM given to __launch_bounds__, 16-row m-tiles per warp, Q_i's
+fragments in registers (1) or re-read from shared memory (0)); backward variants set
+the query rows per step BrB and the warps (16 keys each, Bc = 16·warps). Each variant
+is checked against the reference kernel's output on the same inputs and timed with
+CUDA events (median); the backward times its main loop alone (the pre- and post-pass
+are shared by all variants). Needs a GPU and CuPy; prints one line per variant
+(TFLOP/s by 4·B·H·N²·d forward, 2.5× that backward).
 """
 
 import argparse
@@ -15,76 +21,137 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flashsim as fs  # noqa: E402
 from flashsim import kernels as K  # noqa: E402
+
+
+def _median_ms(cp, run, reps):
+    for _ in range(3):
+        run()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1))
+    return float(np.median(ts))
+
+
+DEFINES: list[str] = []   # --define: macros added to every variant
+
+
+def _build(cp, src, expr, macros):
+    opts = fs.gpu.compile_options(False) + tuple(f"-D{m}" for m in (*macros, *DEFINES))
+    mod = cp.RawModule(code=src, options=opts, name_expressions=[expr])
+    return mod.get_function(expr)
+
+
+def forward(cp, src, D, N, variants, reps, rng):
+    H, B = 2048 // D, 16384 // N
+    q, k, v = (cp.asarray(rng.standard_normal((B * H, N, D)).astype(np.float16))
+               for _ in range(3))
+    ref = cp.asnumpy(fs.gpu.attention(q, k, v, kernel="ref")[0]).astype(np.float32)
+    kv_index = cp.arange(B * H, dtype=cp.int32)
+    flops = 4 * B * H * N * N * D
+    for var in variants:
+        warps, bc, minb, *rest = (int(x) for x in var.split(":"))
+        mt = rest[0] if rest else 1
+        qreg = rest[1] if len(rest) > 1 else 1
+        Br = 16 * warps * mt
+        try:
+            kern = _build(cp, src, f"flash2_fwd_tc<__half, {D}>",
+                          (f"FLASHSIM_TC_WARPS={warps}", f"FLASHSIM_TC_BC={bc}",
+                           f"FLASHSIM_TC_MINBLOCKS={minb}", f"FLASHSIM_TC_MT={mt}",
+                           f"FLASHSIM_TC_QREG={qreg}"))
+        except Exception as e:  # noqa: BLE001  (a variant that does not build)
+            print(f"fwd D={D} {var}: build failed: {str(e)[:200]}")
+            continue
+        smem = (Br * D + 4 * bc * D) * 2
+        kern.max_dynamic_shared_size_bytes = smem
+        O = cp.empty_like(q)
+        L = cp.empty((B * H, N), cp.float32)
+        io = cp.zeros(16, cp.uint64)
+        args = (q, k, v, kv_index, O, L, np.int32(N), np.int32(N), np.int32(-1),
+                np.int32(-1), np.float32(math.log2(math.e) / math.sqrt(D)), io)
+        grid = (-(-N // Br), B * H)
+
+        def run():
+            kern(grid, (32 * warps,), args, shared_mem=smem)
+        run()
+        err = float(np.abs(cp.asnumpy(O).astype(np.float32) - ref).max())
+        ms = _median_ms(cp, run, reps)
+        print(f"fwd D={D} N={N} warps={warps} m-tiles={mt} qreg={qreg} Br={Br} Bc={bc} "
+              f"minblocks={minb} regs={kern.num_regs} smem={smem}: {ms:.3f} ms, "
+              f"{flops / ms / 1e9:.1f} TF/s, max|O - ref| = {err:.2e}", flush=True)
+
+
+def backward(cp, src, D, N, variants, reps, rng):
+    H, B = 2048 // D, 16384 // N
+    q, k, v, do = (cp.asarray(rng.standard_normal((B * H, N, D)).astype(np.float16))
+                   for _ in range(4))
+    out, lse = fs.gpu.attention(q, k, v, kernel="tc")
+    ref = fs.gpu.attention_backward(q, k, v, out, lse, do, kernel="ref")
+    ref = [cp.asnumpy(x).astype(np.float32) for x in ref]
+    P = B * H
+    kv_index = cp.arange(P, dtype=cp.int32)
+    D_ = cp.sum(do.astype(cp.float32) * out.astype(cp.float32), axis=-1)
+    flops = 2.5 * 4 * P * N * N * D
+    scale = np.float32(1 / math.sqrt(D))
+    for var in variants:
+        brb, *rest = (int(x) for x in var.split(":"))
+        warps = rest[0] if rest else 8
+        Bc = 16 * warps
+        try:
+            kern = _build(cp, src, f"flash2_bwd_tc<__half, {D}>",
+                          (f"FLASHSIM_TCB_BRB={brb}", f"FLASHSIM_TCB_WARPS={warps}"))
+        except Exception as e:  # noqa: BLE001
+            print(f"bwd D={D} {var}: build failed: {str(e)[:200]}")
+            continue
+        smem = K.smem_bytes("flash2_bwd_tc", brb, Bc, D, D, "float16")
+        kern.max_dynamic_shared_size_bytes = smem
+        dQacc = cp.zeros((P, N, D), cp.float32)
+        dK, dV = cp.empty_like(k), cp.empty_like(v)
+        args = (q, k, v, kv_index, do, lse, D_, dQacc, dK, dV, np.int32(N), np.int32(N),
+                np.int32(-1), np.int32(-1), scale, np.uint64(0), cp.zeros(16, cp.uint64))
+        grid = (-(-N // Bc), P)
+
+        def run():
+            kern(grid, (32 * warps,), args, shared_mem=smem)
+        run()
+        errs = [float(np.abs(cp.asnumpy(x).astype(np.float32) - r).max())
+                for x, r in zip((dQacc, dK, dV), ref)]
+        ms = _median_ms(cp, run, reps)
+        print(f"bwd D={D} N={N} BrB={brb} warps={warps} Bc={Bc} regs={kern.num_regs} "
+              f"smem={smem}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TF/s, max err dQ/dK/dV = "
+              + "/".join(f"{e:.1e}" for e in errs), flush=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="4:64:1,8:64:1,4:32:1,8:32:1,4:128:1,4:64:2",
-                    help="warps:Bc:minblocks[:m-tiles per warp], comma-separated")
-    ap.add_argument("--dims", type=lambda t: [int(x) for x in t.split(",")], default=None,
+    ap.add_argument("--variants", default="4:64:1:2:1,8:64:1:1:1,4:64:2:2:0",
+                    help="forward: warps:Bc:minblocks[:m-tiles[:qreg]], comma-separated "
+                         "('' for none)")
+    ap.add_argument("--bwd-variants", default="",
+                    help="backward: BrB[:warps], comma-separated")
+    ap.add_argument("--dims", type=lambda t: [int(x) for x in t.split(",")], default=[64, 128],
                     help="head dims to try (default 64,128)")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE macro for every variant (repeatable)")
     a = ap.parse_args(argv)
+    DEFINES[:] = a.define
     import cupy as cp
     src = (K.kernel_dir() / "flash2_tc.cu").read_text()
     rng = np.random.default_rng(0)
-    N = a.n
-    for D in (64, 128):
-        H = 2048 // D
-        B = 16384 // N
-        q, k, v = (cp.asarray(rng.standard_normal((B * H, N, D)).astype(np.float16))
-                   for _ in range(3))
-        ref = cp.asnumpy(fs.gpu.attention(q, k, v, kernel="ref")[0]).astype(np.float32)
-        kv_index = cp.arange(B * H, dtype=cp.int32)
-        flops = 4 * B * H * N * N * D
-        for var in a.variants.split(","):
-            warps, bc, minb, *rest = (int(x) for x in var.split(":"))
-            mt = rest[0] if rest else 1
-            if a.dims and D not in a.dims:
-                continue
-            Br = 16 * warps * mt
-            opts = fs.gpu.compile_options(False) + (f"-DFLASHSIM_TC_WARPS={warps}",
-                                                    f"-DFLASHSIM_TC_BC={bc}",
-                                                    f"-DFLASHSIM_TC_MINBLOCKS={minb}",
-                                                    f"-DFLASHSIM_TC_MT={mt}")
-            try:
-                mod = cp.RawModule(code=src, options=opts,
-                                   name_expressions=[f"flash2_fwd_tc<__half, {D}>"])
-                kern = mod.get_function(f"flash2_fwd_tc<__half, {D}>")
-            except Exception as e:  # noqa: BLE001  (a variant that does not build)
-                print(f"D={D} {var}: build failed: {str(e)[:200]}")
-                continue
-            smem = (Br * D + 4 * bc * D) * 2
-            kern.max_dynamic_shared_size_bytes = smem
-            O = cp.empty_like(q)
-            L = cp.empty((B * H, N), cp.float32)
-            io = cp.zeros(16, cp.uint64)
-            args = (q, k, v, kv_index, O, L, np.int32(N), np.int32(N), np.int32(-1),
-                    np.int32(-1), np.float32(math.log2(math.e) / math.sqrt(D)), io)
-            grid = (-(-N // Br), B * H)
-
-            def run():
-                kern(grid, (32 * warps,), args, shared_mem=smem)
-            run()
-            err = float(np.abs(cp.asnumpy(O).astype(np.float32) - ref).max())
-            for _ in range(3):
-                run()
-            ts = []
-            for _ in range(a.reps):
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record()
-                run()
-                e1.record()
-                e1.synchronize()
-                ts.append(cp.cuda.get_elapsed_time(e0, e1))
-            ms = float(np.median(ts))
-            print(f"D={D} N={N} warps={warps} m-tiles={mt} Br={Br} Bc={bc} minblocks={minb} "
-                  f"regs={kern.num_regs} smem={smem}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TF/s, "
-                  f"max|O - ref| = {err:.2e}", flush=True)
+    for D in a.dims:
+        if a.variants:
+            forward(cp, src, D, a.n, a.variants.split(","), a.reps, rng)
+        if a.bwd_variants:
+            backward(cp, src, D, a.n, a.bwd_variants.split(","), a.reps, rng)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
 @functools.lru_cache(maxsize=None)
 def _kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int):
     cp = _cupy()
-    if name in ("flash2_fwd_tc", "flash2_bwd_tc"):
+    if name in K.SOURCES["flash2_tc.cu"]:
         source, expr = "flash2_tc.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
     else:
         source, expr = "flash2_ref.cu", f"{name}<{K.CUDA_TYPES[dtype]}>"
@@ -158,6 +158,10 @@ class _In:
                 arr = cp.from_dlpack(x)
             self.dtype = str(arr.dtype)
             self.arr = cp.ascontiguousarray(arr)
+        if self.arr.data.ptr % 16:
+            # a view starting mid-row: the kernels read 16 bytes at a time, so give them
+            # a fresh (256-byte aligned) copy rather than a misaligned address
+            self.arr = self.arr.copy()
         if self.dtype not in K.CUDA_TYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
                             f"{self.dtype}")
@@ -360,11 +364,19 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
 # -- backward -----------------------------------------------------------------------------
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=None,
-                       block_sizes=None, count_io: bool = False, kernel: str = "auto"):
+                       block_sizes=None, count_io: bool = False, kernel: str = "auto",
+                       deterministic: bool = False):
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
     `attention`: the tensor-core main loop ("tc": float16/bfloat16, d = dv ∈ {64, 128},
-    tiles Br×Bc = 64×128 at d = 64 and 16×128 at d = 128) or the reference ("ref")."""
+    tiles `block_sizes(q, v, backward=True)`) or the reference ("ref").
+
+    dQ is summed over the K/V tiles with fp32 atomics, whose order varies from run to
+    run, and so do the last bits of dq. ``deterministic=True`` makes the tiles add in a
+    fixed order (each waits for the one before it), so dq is the same bits on every run,
+    at some cost in speed; the bytes moved are the same."""
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     cp = _cupy()
     qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
     shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)
@@ -403,18 +415,26 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     io = _counters(cp, count_io)
     Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
     i32 = np.int32
-    _launch(cp, _kernel("flash2_bwd_preprocess", dtype, count_io), (Tr, P), 0,
-            (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
+    # one turn counter per (problem, Q tile of Br rows); a null pointer: unordered atomics
+    sem = cp.zeros(P * Tr, dtype=cp.int32) if deterministic else np.uint64(0)
+    if which == "tc":
+        _launch(cp, _kernel("flash2_bwd_preprocess_tc", dtype, count_io, d),
+                (-(-Nq // K.TC_PRE_BR), P), 0, (O, dO, D, dQacc, i32(Nq), io),
+                threads=K.TC_PRE_THREADS)
+    else:
+        _launch(cp, _kernel("flash2_bwd_preprocess", dtype, count_io), (Tr, P), 0,
+                (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
     if which == "tc":
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
         _launch(cp, _kernel("flash2_bwd_tc", dtype, count_io, d), (Tc, P), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
-                 i32(right), np.float32(scale), io), threads=K.TC_BWD_THREADS)
+                 i32(right), np.float32(scale), sem, io), threads=K.TC_BWD_THREADS)
     else:
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
         _launch(cp, _kernel("flash2_bwd_main", dtype, count_io), (Tc, P), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d),
-                 i32(dv), i32(Br), i32(Bc), i32(left), i32(right), _scalar(dtype, scale), io))
+                 i32(dv), i32(Br), i32(Bc), i32(left), i32(right), _scalar(dtype, scale), sem,
+                 io))
     _launch(cp, _kernel("flash2_bwd_postprocess", dtype, count_io), (Tr, P), 0,
             (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))
     dq = _reduce(cp, dQ, shape, qi.shape, Nq, d, dtype)

@@ -25,7 +25,7 @@ ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
 SOURCES = {
     "flash2_ref.cu": ("flash2_fwd", "flash2_bwd_preprocess", "flash2_bwd_main",
                       "flash2_bwd_postprocess"),
-    "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_tc"),
+    "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc"),
 }
 
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
@@ -34,10 +34,12 @@ TC_HEAD_DIMS = (64, 128)
 # (Br, Bc) and threads per head dim: 4 warps of 32 query rows at d = 64, 8 warps of 16 at
 # d = 128 (kernels_cu/NOTES.md)
 TC_BLOCKS = {64: (128, 64), 128: (128, 64)}
-TC_THREADS = {64: 128, 128: 256}
-# backward main loop: (Br, Bc) = (queries per step, keys per CTA), 4 warps
-TC_BWD_BLOCKS = {64: (64, 128), 128: (16, 128)}
+TC_THREADS = {64: 128, 128: 128}
+# backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps of 16 keys
+TC_BWD_BLOCKS = {64: (64, 128), 128: (64, 128)}
 TC_BWD_THREADS = 256
+# its pre-pass (D = rowsum(dO ∘ O), dQacc = 0): rows per CTA and threads
+TC_PRE_BR, TC_PRE_THREADS = 64, 128
 
 
 @dataclass(frozen=True)

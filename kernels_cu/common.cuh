@@ -72,6 +72,26 @@ struct Band {
     }
 };
 
+// -- ordered accumulation (the deterministic backward) ----------------------------------
+// The K/V tiles that add into one Q tile's rows of dQacc take turns in increasing j:
+// turn[q tile] counts the tiles that have added. A CTA waits until the count is its turn
+// (the number of visiting tiles before it), adds, and passes the turn on. CTAs start in
+// increasing blockIdx.x, so the tile a CTA waits for is running or done.
+__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
+    if (threadIdx.x == 0) {
+        int v;
+        do {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(turn) : "memory");
+        } while (v != mine);
+    }
+    __syncthreads();
+}
+__device__ __forceinline__ void pass_turn(int* turn, int mine) {
+    __syncthreads();                              // every thread of the CTA has added
+    if (threadIdx.x == 0)
+        asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(turn), "r"(mine + 1) : "memory");
+}
+
 // -- I/O counters (instrumented build only) --------------------------------------------
 // One counter per (tensor, direction). flashsim/gpu.py reads this enum to name them, so
 // keep the IO_<tensor>_<R|W> spelling.

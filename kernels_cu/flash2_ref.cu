@@ -11,7 +11,8 @@
 //   flash2_bwd_main<T>      backward main loop. Grid (Tc, problems): one CTA per K/V tile
 //                           j keeps K_j, V_j, dK_j, dV_j on chip, streams the visited Q_i,
 //                           dO_i, L_i, D_i, recomputes P = exp(S − L) and adds its share
-//                           of dQ_i to the accumulator with fp32 atomics.
+//                           of dQ_i to the accumulator with fp32 atomics (in order
+//                           of j when sem is given: the deterministic mode).
 //   flash2_bwd_postprocess<T> backward post-pass: dQ = dQacc in the I/O type.
 // T ∈ {__half, __nv_bfloat16, float, double}; arithmetic in AccOf<T> (float; double for
 // double). Layout: Q, O (problems, Nq, d|dv); K, V (kv problems, Nk, d|dv) with
@@ -151,7 +152,7 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
                                 T* __restrict__ dK, T* __restrict__ dV,
                                 int Nq, int Nk, int d, int dv, int Br, int Bc, int left,
                                 int right, typename AccOf<T>::type scale,
-                                unsigned long long* io) {
+                                int* __restrict__ sem, unsigned long long* io) {
     using A = typename AccOf<T>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sK = reinterpret_cast<A*>(smem_raw);   // Bc·d
@@ -225,12 +226,21 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
             for (int r = 0; r < rows; ++r) acc += sdS[r * Bc + c] * sQ[r * d + k];
             sdK[x] += scale * acc;
         }
+        int* turn = sem + ((long long)p * ((Nq + Br - 1) / Br) + i);
+        int mine = 0;                                             // visiting tiles before j
+        if (sem != nullptr) {                                     // deterministic: in order of j
+            int jlo, jhi;
+            band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+            mine = j - jlo;
+            wait_turn(turn, mine);
+        }
         for (int x = tid; x < rows * d; x += nt) {                // dQacc_i += scale · dS K_j
             const int r = x / d, k = x % d;
             A acc = A(0);
             for (int c = 0; c < cols; ++c) acc += sdS[r * Bc + c] * sK[c * d + k];
             atomicAdd(&dQacc[q_row * d + x], (float)(scale * acc));
         }
+        if (sem != nullptr) pass_turn(turn, mine);
         COUNT_IO(io, IO_dQacc_R, (long long)rows * d * 4);        // HBM→SRAM: dQacc_i (Br·d fp32)
         COUNT_IO(io, IO_dQacc_W, (long long)rows * d * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
     }

@@ -1,33 +1,38 @@
-// flash2_tc.cu: the tensor-core rung. The same FlashAttention-2 forward schedule as
-// flash2_ref.cu (Q-outer, the same visited tiles, O and L written once), on mma.sync.
+// flash2_tc.cu: the tensor-core rung. The same FlashAttention-2 schedules as
+// flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
-// Kernels in this file, each a rung over the last:
+// Kernels in this file, each a rung over the reference:
 //   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
 //                        tiles Br × Bc = 128 × 64. Adds over flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
 //                          and O += P V, so it also runs on Ampere;
-//                        - warps split along Q (16 or 32 rows each): each warp owns whole rows
-//                          of S, so the softmax needs no inter-warp reduction;
-//                        - Q held in registers for the whole loop; P goes from the S
-//                          accumulators to the A operand of the second MMA without shared
-//                          memory (the m16n8 C layout is the m16n8k16 A layout);
+//                        - warps split along Q (32 rows each, two 16-row m-tiles): each
+//                          warp owns whole rows of S, so the softmax needs no inter-warp
+//                          reduction;
+//                        - Q_i on chip for the whole loop (registers at D = 64, shared
+//                          memory at D = 128); P goes from the S accumulators to the A
+//                          operand of the second MMA without shared memory (the m16n8 C
+//                          layout is the m16n8k16 A layout);
 //                        - ldmatrix (.trans for V) from XOR-swizzled shared memory: no
 //                          bank conflicts; 16-byte cp.async loads, K/V double-buffered so
 //                          tile j+1 streams in while tile j is multiplied;
-//                        - exp2 with scale·log2(e) folded into one multiply, deferred
-//                          normalisation, the row sum ℓ kept per thread until the end;
+//                        - exp2 (one MUFU.EX2) with scale·log2(e) folded into one FMA,
+//                          deferred normalisation, ℓ kept per thread until the end;
 //                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
+//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D>  the backward (below); the
+//                        post-pass is the reference's flash2_bwd_postprocess.
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
 #include "common.cuh"
 
 namespace tc {
 
-// Tile shape: WARPS warps of 16 query rows each, Bc keys per K/V tile. The defaults are
-// the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
+// Tile shape: WARPS warps of MT·16 query rows each, Bc keys per K/V tile. The defaults
+// are the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
 // analysis/tune_tc.py, which builds and times variants side by side.
-// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps × 2 m-tiles (Br = 128) at
-// D = 64, 8 warps × 1 m-tile (Br = 128) at D = 128, Bc = 64, no spills.
+// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps × 2 m-tiles (Br = 128),
+// Bc = 64; Q_i in registers at D = 64, re-read from shared memory at D = 128 (where
+// registers hold only the two m-tiles' O); no spills.
 #ifndef FLASHSIM_TC_WARPS
 #define FLASHSIM_TC_WARPS 0
 #endif
@@ -37,19 +42,38 @@ namespace tc {
 #ifndef FLASHSIM_TC_MINBLOCKS
 #define FLASHSIM_TC_MINBLOCKS 1
 #endif
-template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : (D == 64 ? 4 : 8); }
-// m-tiles of 16 rows per warp: 2 at D = 64 (+15%, analysis/tune_tc.py), 1 at D = 128
-// (2 would spill); the macro overrides it for tuning
+template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : 4; }
+// m-tiles of 16 rows per warp: each K/V fragment loaded feeds MT MMAs (2: +15% at
+// D = 64 in analysis/tune_tc.py); the macro overrides it for tuning
 #ifndef FLASHSIM_TC_MT
 #define FLASHSIM_TC_MT 0
 #endif
-template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (D == 64 ? 2 : 1); }
+template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : 2; }
+// Q_i's A fragments held in registers for the whole loop (1), or read from shared memory
+// with ldmatrix at every k-step (0), which frees D/4·MT registers for a second m-tile
+// at D = 128; the macro overrides it for tuning (-1 = the default)
+#ifndef FLASHSIM_TC_QREG
+#define FLASHSIM_TC_QREG -1
+#endif
+template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : D == 64; }
 constexpr int Bc = FLASHSIM_TC_BC;
+
+// mma.sync reads only its registers, so it need not be `asm volatile`: without it the
+// compiler may interleave one m-tile's MMAs with the other's softmax. The macro keeps
+// the volatile form for comparison in analysis/tune_tc.py.
+#ifndef FLASHSIM_TC_MMA_VOLATILE
+#define FLASHSIM_TC_MMA_VOLATILE 0
+#endif
+#if FLASHSIM_TC_MMA_VOLATILE
+#define FLASHSIM_MMA_ASM asm volatile
+#else
+#define FLASHSIM_MMA_ASM asm
+#endif
 
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
     static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
-        asm volatile(
+        FLASHSIM_MMA_ASM(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
             "{%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -62,7 +86,7 @@ template <> struct Mma<__half> {
 };
 template <> struct Mma<__nv_bfloat16> {
     static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
-        asm volatile(
+        FLASHSIM_MMA_ASM(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
             "{%8,%9}, {%0,%1,%2,%3};\n"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -78,6 +102,15 @@ template <> struct Mma<__nv_bfloat16> {
 // c ^ (r & 7). The 8 rows an ldmatrix reads then sit in 8 different bank groups.
 template <int D> __device__ __forceinline__ int swz(int r, int c) {
     return r * D + ((c ^ (r & 7)) << 3);
+}
+
+// 2^x in one MUFU.EX2: exp2f without fast-math adds a range test and two multiplies per
+// element to keep denormal results. Flushing P < 2^-126 to zero is far below rounding:
+// a row's P sums to at least 1 (forward, the maximum contributes 1) or to 1 (backward)
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -133,7 +166,9 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;         // MMA group and thread in group
-    const int i = blockIdx.x, p = blockIdx.y;
+    // the last Q tiles first: under a causal mask they see the most keys, and a long CTA
+    // started last would run alone at the end of the grid
+    const int i = gridDim.x - 1 - blockIdx.x, p = blockIdx.y;
     const int i0 = i * Br, rows = min(Br, Nq - i0);
     const long long q_row = (long long)p * Nq + i0;
     const long long kv = kv_index[p];
@@ -152,26 +187,29 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     }
 
     load_tile<T, D, Br>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
-    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));
     cp_async_commit();
     {
         const int j0 = jlo * Bc, cols = min(Bc, Nk - j0);
         load_tile<T, D, Bc>(sK, Kp + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
         load_tile<T, D, Bc>(sV, Vp + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
-        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));
-        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));
+        // the loads are counted once, after the loop: counter updates inside it would
+        // hold registers the two m-tiles need
         cp_async_commit();
     }
     cp_async_wait<1>();                              // Q has landed
     __syncthreads();
 
-    // Q_i stays in registers: A fragments of this warp's rows, D/16 k-steps
-    unsigned qf[MT][D / 16][4];
+    // Q_i's A fragments of this warp's rows, D/16 k-steps: kept in registers, or (QREG =
+    // false) read again from shared memory at each k-step, where Q_i stays for the loop
+    constexpr bool QREG = qreg<D>();
+    unsigned qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
+    if constexpr (QREG) {
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+        for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            ldsm_x4(qf[mi][kk], sQ + swz<D>(warp * RW + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            for (int kk = 0; kk < D / 16; ++kk)
+                ldsm_x4(qf[mi][kk], sQ + swz<D>(warp * RW + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    }
 
     float o[MT][D / 8][4];
     float m[MT][2], l[MT][2];                        // running max (log2 domain), partial sums
@@ -191,8 +229,6 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             const int j0n = (j + 1) * Bc, colsn = min(Bc, Nk - j0n);
             load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D, Kp + (long long)j0n * D, colsn);
             load_tile<T, D, Bc>(sV + (buf ^ 1) * Bc * D, Vp + (long long)j0n * D, colsn);
-            COUNT_IO(io, IO_K_R, (long long)colsn * D * sizeof(T));   // HBM→SRAM: K_j (Bc·d)
-            COUNT_IO(io, IO_V_R, (long long)colsn * D * sizeof(T));   // HBM→SRAM: V_j (Bc·d)
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -208,6 +244,12 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             for (int t = 0; t < Bc / 8; ++t) s[mi][t][0] = s[mi][t][1] = s[mi][t][2] = s[mi][t][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned qs[QREG ? 1 : MT][4];
+            if constexpr (!QREG) {
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+                    ldsm_x4(qs[mi], sQ + swz<D>(warp * RW + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            }
 #pragma unroll
             for (int t = 0; t < Bc / 8; t += 2) {
                 unsigned b[4];   // (n-tile t: k lo, k hi), (n-tile t+1: k lo, k hi)
@@ -215,8 +257,9 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 ldsm_x4(b, sKb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
-                    Mma<T>::run(s[mi][t], qf[mi][kk], b);
-                    Mma<T>::run(s[mi][t + 1], qf[mi][kk], b + 2);
+                    const unsigned* a = QREG ? qf[QREG ? mi : 0][QREG ? kk : 0] : qs[QREG ? 0 : mi];
+                    Mma<T>::run(s[mi][t], a, b);
+                    Mma<T>::run(s[mi][t + 1], a, b + 2);
                 }
             }
         }
@@ -254,7 +297,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             }
             const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
             const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
-            const float a0 = exp2f(m[mi][0] - ms0), a1 = exp2f(m[mi][1] - ms1);
+            const float a0 = ex2(m[mi][0] - ms0), a1 = ex2(m[mi][1] - ms1);
             m[mi][0] = mx0;
             m[mi][1] = mx1;
             l[mi][0] *= a0;
@@ -265,10 +308,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             }
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t) {
-                const float p0 = exp2f(fmaf(s[mi][t][0], scale_log2, -ms0));
-                const float p1 = exp2f(fmaf(s[mi][t][1], scale_log2, -ms0));
-                const float p2 = exp2f(fmaf(s[mi][t][2], scale_log2, -ms1));
-                const float p3 = exp2f(fmaf(s[mi][t][3], scale_log2, -ms1));
+                const float p0 = ex2(fmaf(s[mi][t][0], scale_log2, -ms0));
+                const float p1 = ex2(fmaf(s[mi][t][1], scale_log2, -ms0));
+                const float p2 = ex2(fmaf(s[mi][t][2], scale_log2, -ms1));
+                const float p3 = ex2(fmaf(s[mi][t][3], scale_log2, -ms1));
                 l[mi][0] += p0 + p1;
                 l[mi][1] += p2 + p3;
                 pf[mi][t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(p0, p1);   // row g
@@ -322,6 +365,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m[mi][1] + log2f(l1)) * LN2 : neg_inf<float>();
         }
     }
+    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
+    const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
+    COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
+    COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
 }
@@ -329,19 +377,39 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre- and post-pass
 // are the reference rung's; they only stream O, dO and dQacc once). K/V-outer like
 // flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys, 8 warps of 16 keys each;
-// the visited Q tiles stream through shared memory, double-buffered, in steps of
-// BrB = 64 queries (16 at D = 128, to fit the registers). Per step, each warp computes
-// Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for its 16 keys, so Pᵀ and dSᵀ come out of the MMA
-// accumulators already in the A-operand layout for dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i
-// (both kept in registers across the loop); dSᵀ goes through shared memory once for
-// dQ_i += dS K_j, which is added to the fp32 accumulator with atomics.
+// the visited Q tiles stream through shared memory, double-buffered, in steps of BrB
+// queries. Per step, each warp computes Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for its 16
+// keys, so Pᵀ and dSᵀ come out of the MMA accumulators already in the A-operand layout
+// for dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (both kept in registers across the loop); dSᵀ
+// goes through shared memory once for dQ_i += dS K_j, which is added to the fp32
+// accumulator with atomics (two floats per instruction on sm_90).
+//
+// Deterministic mode (sem != nullptr, zeroed, one int per (problem, step of BrB rows)):
+// the K/V tiles that visit a step add into its rows of dQacc in increasing j
+// (common.cuh's wait_turn/pass_turn). The bytes moved are those of the unordered
+// atomics; the sum is the same bits on every run.
 namespace tcb {
-template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 64 : 16; }
+// query rows per step: dK_j and dV_j (2·D/8·4 registers per thread) stay in registers,
+// Sᵀ and dPᵀ of BrB queries take BrB/2 each; the macro overrides it for tuning
+#ifndef FLASHSIM_TCB_BRB
+#define FLASHSIM_TCB_BRB 0
+#endif
+template <int D> __host__ __device__ constexpr int brb() { return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : 64; }
 // 8 warps of 16 keys: Bc = 128 keys per CTA halves the dQ atomics against Bc = 64
 #ifndef FLASHSIM_TCB_WARPS
 #define FLASHSIM_TCB_WARPS 8
 #endif
 constexpr int WARPS = FLASHSIM_TCB_WARPS, Bc = 16 * WARPS, THREADS = 32 * WARPS;
+
+// dQacc[x], dQacc[x + 1] += (a, b): one vector reduction on sm_90, two before it
+__device__ __forceinline__ void add2(float* x, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(x), make_float2(a, b));
+#else
+    atomicAdd(x, a);
+    atomicAdd(x + 1, b);
+#endif
+}
 }  // namespace tcb
 
 template <typename T, int D>
@@ -350,11 +418,13 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               const int* __restrict__ kv_index, const T* __restrict__ dO,
               const float* __restrict__ L, const float* __restrict__ Dv,
               float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-              int Nq, int Nk, int left, int right, float scale, unsigned long long* io) {
+              int Nq, int Nk, int left, int right, float scale, int* __restrict__ sem,
+              unsigned long long* io) {
     using namespace tc;
     constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), SDS = BrB + 8;   // dSᵀ row stride (padded)
     constexpr int THREADS = tcb::THREADS;
     constexpr float LOG2E = 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);       // Bc·D
     T* sV = sK + Bc * D;                          // Bc·D
@@ -373,6 +443,7 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, Nq, BrB, &ilo, &ihi);
     const int k0 = warp * 16 + g, k1 = k0 + 8;    // this thread's two keys (rows of Sᵀ)
+    const bool ragged = cols < Bc;                // keys past Nk in this tile
 
     float dv[D / 8][4], dk[D / 8][4];
 #pragma unroll
@@ -389,8 +460,11 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             cp_async16(sQ + buf * BrB * D + swz<D>(r, c), Q + (ok ? (q_row + r) * D + c * 8 : 0), ok);
             cp_async16(sdO + buf * BrB * D + swz<D>(r, c), dO + (ok ? (q_row + r) * D + c * 8 : 0), ok);
         }
+        // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
+        // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
         for (int r = tid; r < BrB; r += THREADS) {
-            sL[buf * BrB + r] = r < rows ? L[q_row + r] * LOG2E : neg_inf<float>();
+            const float l = r < rows ? L[q_row + r] : neg_inf<float>();
+            sL[buf * BrB + r] = l == neg_inf<float>() ? -neg_inf<float>() : l * LOG2E;
             sD[buf * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;
         }
         COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));    // HBM→SRAM: Q_i (Br·d)
@@ -450,31 +524,41 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 Mma<T>::run(dp[t + 1], va, b + 2);
             }
         }
-        // Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) where the key is real and seen; dSᵀ = Pᵀ ∘ (dPᵀ − D)
-        unsigned pa[BrB / 16][4], dsa[BrB / 16][4];
+        // Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e); dSᵀ = Pᵀ ∘ (dPᵀ − D). Keys past Nk and pairs
+        // outside the band are zeroed elementwise only in the tiles that have them.
+        const bool partial = ragged
+            || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
+            || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+        unsigned pa[BrB / 16][4];
 #pragma unroll
         for (int t = 0; t < BrB / 8; ++t) {
+            const int qc = t * 8 + tig * 2;           // this thread's two queries (columns)
+            const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
+            const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
             float pv[4], dsv[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = j0 + (e < 2 ? k0 : k1), qc = t * 8 + tig * 2 + (e & 1);
-                const float l2 = sLb[qc];
-                const bool live = key < Nk && i0 + qc < Nq && band.sees(i0 + qc, key)
-                                  && l2 != neg_inf<float>();
-                pv[e] = live ? exp2f(s[t][e] * scale * LOG2E - l2) : 0.f;
-                dsv[e] = pv[e] * (dp[t][e] - sDb[qc]);
+                pv[e] = ex2(fmaf(s[t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                if (partial) {
+                    const int key = j0 + (e < 2 ? k0 : k1), q = i0 + qc + (e & 1);
+                    if (key >= Nk || !band.sees(q, key)) pv[e] = 0.f;
+                }
+                dsv[e] = pv[e] * (dp[t][e] - ((e & 1) ? dd.y : dd.x));
             }
             pa[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(pv[0], pv[1]);
             pa[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(pv[2], pv[3]);
-            dsa[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(dsv[0], dsv[1]);
-            dsa[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(dsv[2], dsv[3]);
-            // dSᵀ to shared memory for dQ (keys × queries)
-            *reinterpret_cast<unsigned*>(sdS + k0 * SDS + t * 8 + tig * 2) = dsa[t >> 1][(t & 1) * 2 + 0];
-            *reinterpret_cast<unsigned*>(sdS + k1 * SDS + t * 8 + tig * 2) = dsa[t >> 1][(t & 1) * 2 + 1];
+            // dSᵀ to shared memory (keys × queries), for dK below and dQ after the barrier
+            *reinterpret_cast<unsigned*>(sdS + k0 * SDS + qc) = Mma<T>::pack(dsv[0], dsv[1]);
+            *reinterpret_cast<unsigned*>(sdS + k1 * SDS + qc) = Mma<T>::pack(dsv[2], dsv[3]);
         }
-        // dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i: k = queries, n = D (.trans: rows are queries)
+        __syncwarp();                                 // this warp's 16 rows of dSᵀ are written
+        // dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i: k = queries, n = D (.trans: rows are queries).
+        // Pᵀ stays in registers; dSᵀ is read back with ldmatrix rather than kept, which
+        // frees BrB/4 registers for a longer step
 #pragma unroll
         for (int kk = 0; kk < BrB / 16; ++kk) {
+            unsigned dsa[4];
+            ldsm_x4(dsa, sdS + (warp * 16 + (lane & 15)) * SDS + kk * 16 + ((lane >> 4) << 3));
 #pragma unroll
             for (int t = 0; t < D / 8; t += 2) {
                 unsigned b[4];
@@ -483,47 +567,66 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 Mma<T>::run(dv[t], pa[kk], b);
                 Mma<T>::run(dv[t + 1], pa[kk], b + 2);
                 ldsm_x4_t(b, sQb + swz<D>(qr, t + (lane >> 4)));
-                Mma<T>::run(dk[t], dsa[kk], b);
-                Mma<T>::run(dk[t + 1], dsa[kk], b + 2);
+                Mma<T>::run(dk[t], dsa, b);
+                Mma<T>::run(dk[t + 1], dsa, b + 2);
             }
         }
         __syncthreads();                                      // dSᵀ is complete
 
-        // dQ_i += scale · dS K_j: m = BrB queries over the warps, k = Bc keys, n = D
+        // dQ_i += scale · dS K_j: m = BrB queries over the warps, k = Bc keys, n = D, in
+        // chunks of at most 32 columns per warp (their accumulators live beside dK, dV)
         {
-            constexpr int MT = BrB / 16, NSPLIT = tcb::WARPS / MT, NW = D / NSPLIT;
-            const int mt = warp % MT, n0 = (warp / MT) * NW;
-            float dq[NW / 8][4];
-#pragma unroll
-            for (int t = 0; t < NW / 8; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < Bc / 16; ++kk) {
-                unsigned a[4];   // dS from dSᵀ (.trans): rows = queries, k = keys
-                const int kr = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
-                ldsm_x4_t(a, sdS + kr * SDS + mt * 16 + (((lane >> 3) & 1) << 3));
-#pragma unroll
-                for (int t = 0; t < NW / 8; t += 2) {
-                    unsigned b[4];
-                    const int krow = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-                    ldsm_x4_t(b, sK + swz<D>(krow, (n0 >> 3) + t + (lane >> 4)));
-                    Mma<T>::run(dq[t], a, b);
-                    Mma<T>::run(dq[t + 1], a, b + 2);
-                }
-            }
+            constexpr int MT = BrB / 16 < tcb::WARPS ? BrB / 16 : tcb::WARPS;
+            constexpr int NSPLIT = tcb::WARPS / MT, NW = D / NSPLIT, MPW = BrB / 16 / MT;
+            constexpr int NC = NW < 32 ? NW : 32;
+            const int mt = warp % MT;
             const long long q_row = (long long)p * Nq + i0;
-            const int r0 = mt * 16 + g, r1 = r0 + 8;
+            int* turn = sem + ((long long)p * ((Nq + BrB - 1) / BrB) + i);
+            int mine = 0;                                     // visiting tiles before j
+            if (sem != nullptr) {
+                int jlo, jhi;
+                band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+                mine = j - jlo;
+                wait_turn(turn, mine);
+            }
 #pragma unroll
-            for (int t = 0; t < NW / 8; ++t) {
-                const int c = n0 + t * 8 + tig * 2;
-                if (r0 < rows) {
-                    atomicAdd(dQacc + (q_row + r0) * D + c, scale * dq[t][0]);
-                    atomicAdd(dQacc + (q_row + r0) * D + c + 1, scale * dq[t][1]);
+            for (int n0 = (warp / MT) * NW; n0 < (warp / MT + 1) * NW; n0 += NC) {
+                float dq[MPW][NC / 8][4];
+#pragma unroll
+                for (int u = 0; u < MPW; ++u)
+#pragma unroll
+                    for (int t = 0; t < NC / 8; ++t) dq[u][t][0] = dq[u][t][1] = dq[u][t][2] = dq[u][t][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < Bc / 16; ++kk) {
+                    unsigned a[MPW][4];   // dS from dSᵀ (.trans): rows = queries, k = keys
+                    const int kr = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+                    for (int u = 0; u < MPW; ++u)
+                        ldsm_x4_t(a[u], sdS + kr * SDS + (u * MT + mt) * 16 + (((lane >> 3) & 1) << 3));
+#pragma unroll
+                    for (int t = 0; t < NC / 8; t += 2) {
+                        unsigned b[4];
+                        const int krow = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+                        ldsm_x4_t(b, sK + swz<D>(krow, (n0 >> 3) + t + (lane >> 4)));
+#pragma unroll
+                        for (int u = 0; u < MPW; ++u) {
+                            Mma<T>::run(dq[u][t], a[u], b);
+                            Mma<T>::run(dq[u][t + 1], a[u], b + 2);
+                        }
+                    }
                 }
-                if (r1 < rows) {
-                    atomicAdd(dQacc + (q_row + r1) * D + c, scale * dq[t][2]);
-                    atomicAdd(dQacc + (q_row + r1) * D + c + 1, scale * dq[t][3]);
+#pragma unroll
+                for (int u = 0; u < MPW; ++u) {
+                    const int r0 = (u * MT + mt) * 16 + g, r1 = r0 + 8;
+#pragma unroll
+                    for (int t = 0; t < NC / 8; ++t) {
+                        const int c = n0 + t * 8 + tig * 2;
+                        if (r0 < rows) tcb::add2(dQacc + (q_row + r0) * D + c, scale * dq[u][t][0], scale * dq[u][t][1]);
+                        if (r1 < rows) tcb::add2(dQacc + (q_row + r1) * D + c, scale * dq[u][t][2], scale * dq[u][t][3]);
+                    }
                 }
             }
+            if (sem != nullptr) pass_turn(turn, mine);        // tile j + 1 adds next
         }
         COUNT_IO(io, IO_dQacc_R, (long long)rows * D * 4);        // HBM→SRAM: dQacc_i (Br·d fp32)
         COUNT_IO(io, IO_dQacc_W, (long long)rows * D * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
@@ -547,4 +650,44 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     }
     COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
     COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
+}
+
+// flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the
+// reference's flash2_bwd_preprocess with 16-byte accesses: D_i = rowsum(dO_i ∘ O_i) in
+// fp32, and dQacc_i zeroed. D/8 lanes share a row, each reading 8 elements of O and dO
+// at once (the reference reads one element per thread, rows d apart: uncoalesced).
+// Grid (⌈Nq/Br⌉, problems), 128 threads, Br = PRE_BR rows per CTA.
+namespace tcb {
+constexpr int PRE_BR = 64, PRE_THREADS = 128;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(tcb::PRE_THREADS)
+flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
+                         float* __restrict__ Dv, float* __restrict__ dQacc, int Nq,
+                         unsigned long long* io) {
+    constexpr int LPR = D / 8, RPP = tcb::PRE_THREADS / LPR;    // lanes per row, rows per pass
+    const int i0 = blockIdx.x * tcb::PRE_BR, rows = min(tcb::PRE_BR, Nq - i0);
+    const long long row = (long long)blockIdx.y * Nq + i0;
+    const int c = threadIdx.x % LPR;
+    for (int r = threadIdx.x / LPR; r < tcb::PRE_BR; r += RPP) {   // every lane of a row group
+        float acc = 0.f;                                            // reaches the shuffles
+        if (r < rows) {
+            const uint4 o = *reinterpret_cast<const uint4*>(O + (row + r) * D + c * 8);
+            const uint4 g = *reinterpret_cast<const uint4*>(dO + (row + r) * D + c * 8);
+            const T* oe = reinterpret_cast<const T*>(&o);
+            const T* ge = reinterpret_cast<const T*>(&g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(to_acc<float>(ge[e]), to_acc<float>(oe[e]), acc);
+        }
+#pragma unroll
+        for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+        if (r < rows && c == 0) Dv[row + r] = acc;
+    }
+    float4* z = reinterpret_cast<float4*>(dQacc + row * D);
+    for (int x = threadIdx.x; x < rows * D / 4; x += tcb::PRE_THREADS) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
+    COUNT_IO(io, IO_O_R, (long long)rows * D * sizeof(T));       // HBM→SRAM: O_i (Br·dv)
+    COUNT_IO(io, IO_dO_R, (long long)rows * D * sizeof(T));      // HBM→SRAM: dO_i (Br·dv)
+    COUNT_IO(io, IO_D_W, (long long)rows * 4);                   // SRAM→HBM: D_i (Br)
+    COUNT_IO(io, IO_dQacc_W, (long long)rows * D * 4);           // SRAM→HBM: dQacc_i = 0 (Br·d fp32)
 }

@@ -7,7 +7,8 @@
 (racecheck is the slowest tool: `python3 tests/gpu_sanitize.py 3` runs 3 shapes.)
 
 Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
-fast and the instrumented builds, forward and backward.
+fast and the instrumented builds, forward and backward (the instrumented one in the
+deterministic mode, whose tiles take turns adding into dQ).
 """
 
 import sys
@@ -54,7 +55,8 @@ def main(n_cases: int = 8) -> int:
                                                     count_io=count_io, kernel=kernel)[:2]
                         dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
                         fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
-                                                  block_sizes=b, count_io=count_io, kernel=kernel)
+                                                  block_sizes=b, count_io=count_io, kernel=kernel,
+                                                  deterministic=count_io)
                         launches += 4
     import cupy as cp
     cp.cuda.Device().synchronize()

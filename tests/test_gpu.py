@@ -172,18 +172,18 @@ def s_condition(q, k, dtype):
     return EPS[dtype] * np.sqrt(d) * sabs
 
 
-@given(gpu_problems(max_seq=400))
-def test_backward_matches_simulator(poisoned, problem):
-    check_backward(*problem, kernel="ref")
+@given(gpu_problems(max_seq=400), st.booleans())
+def test_backward_matches_simulator(poisoned, problem, deterministic):
+    check_backward(*problem, kernel="ref", deterministic=deterministic)
 
 
 @given(gpu_problems(max_seq=400, head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False,
-                    same_dv=True))
-def test_tensor_core_backward_matches_simulator(poisoned, problem):
-    check_backward(*problem, kernel="tc")
+                    same_dv=True), st.booleans())
+def test_tensor_core_backward_matches_simulator(poisoned, problem, deterministic):
+    check_backward(*problem, kernel="tc", deterministic=deterministic)
 
 
-def check_backward(q, k, v, dtype, causal, blocks, kernel):
+def check_backward(q, k, v, dtype, causal, blocks, kernel, deterministic=False):
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype, backward=True):
         blocks = None
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
@@ -192,7 +192,8 @@ def check_backward(q, k, v, dtype, causal, blocks, kernel):
     dout = make_precision("kernel", dtype).io_round(rng.standard_normal(host(out).shape)).astype(np.float64)
     dq, dk, dv, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
                                                     causal=causal, block_sizes=blocks,
-                                                    count_io=True, kernel=kernel)
+                                                    count_io=True, kernel=kernel,
+                                                    deterministic=deterministic)
     dq, dk, dv = map(host, (dq, dk, dv))
     assert not any(np.isnan(x).any() for x in (dq, dk, dv)), "a gradient was not written"
     used = blocks or fs.gpu.block_sizes(qd, vd, backward=True, kernel=kernel)
@@ -335,6 +336,43 @@ def test_deterministic_outputs_for_the_forward():
     a = fs.gpu.attention(q, k, v)[0]
     b = fs.gpu.attention(q, k, v)[0]
     assert bool((a == b).all())
+
+
+@pytest.mark.parametrize("kernel, dtype, d", [("tc", "float16", 64), ("tc", "float16", 128),
+                                              ("ref", "float32", 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_is_the_same_bits_every_run(kernel, dtype, d, causal):
+    """Many K/V tiles add into each Q tile's dQ (Nk = 1500): with atomics their order
+    varies; deterministic=True must give identical bits, the same traffic, and values
+    within rounding of the atomic run."""
+    rng = np.random.default_rng(9)
+    B, hk, g, Nq, Nk = 2, 2, 2, 333, 1500
+    q, k, v, dout = (dev(rng.standard_normal(s), dtype) for s in
+                     ((B, hk * g, Nq, d), (B, hk, Nk, d), (B, hk, Nk, d), (B, hk * g, Nq, d)))
+    out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kernel)
+    runs = [fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, kernel=kernel,
+                                      deterministic=True, count_io=True) for _ in range(3)]
+    free = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, kernel=kernel,
+                                     count_io=True)
+    first = [host(x) for x in runs[0][:3]]
+    for r in runs[1:]:
+        for a, b in zip(first, (host(x) for x in r[:3])):
+            assert np.array_equal(a, b)
+        assert r[3] == free[3]
+    # the two differ in the order of dQ's fp32 sums only: a few fp32 roundings per tile,
+    # then at most one unit of the output dtype; dk and dv do not depend on the order
+    tiles = -(-Nk // fs.gpu.block_sizes(q, v, backward=True, kernel=kernel)[1])
+    for a, b in zip(first, (host(x) for x in free[:3])):
+        scale = np.abs(b).max()
+        assert np.abs(a - b).max() <= (2 * EPS[dtype] + 4 * tiles * 2.0**-24) * scale
+
+
+def test_deterministic_flag_is_checked():
+    import cupy as cp
+    q = cp.ones((1, 1, 8, 64), cp.float16)
+    with pytest.raises(TypeError, match="deterministic"):
+        fs.gpu.attention_backward(q, q, q, q, cp.zeros((1, 1, 8), cp.float32), q,
+                                  deterministic="yes")
 
 
 # FlashAttention's own odd shapes, each dtype, both masks: a fixed grid beside the fuzzing
