@@ -23,6 +23,7 @@ that as a `flashsim.Traffic`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -142,12 +143,13 @@ class _In:
             if x.device.type != "cuda":
                 x = x.cuda()
             x = x.contiguous()
-            if x.dtype == torch.bfloat16:
-                self.dtype = "bfloat16"
-                self.arr = cp.from_dlpack(x.view(torch.int16))   # bits, no copy
-            else:
-                self.dtype = str(x.dtype).replace("torch.", "")
-                self.arr = cp.from_dlpack(x)
+            self.dtype = str(x.dtype).replace("torch.", "")
+            if self.dtype in K.CUDA_TYPES:
+                # a CuPy view of the tensor's memory, no copy: DLPack's exchange costs
+                # tens of microseconds of Python per tensor, a pointer costs none. The
+                # launches run on torch's current stream (_stream), so no sync is needed.
+                self.arr = _view(cp, x, np.int16 if self.dtype == "bfloat16"
+                                 else np.dtype(self.dtype))
         else:
             if isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__")
                                                  or hasattr(x, "__dlpack__")):
@@ -158,13 +160,13 @@ class _In:
                 arr = cp.from_dlpack(x)
             self.dtype = str(arr.dtype)
             self.arr = cp.ascontiguousarray(arr)
+        if self.dtype not in K.CUDA_TYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                            f"{self.dtype}")
         if self.arr.data.ptr % 16:
             # a view starting mid-row: the kernels read 16 bytes at a time, so give them
             # a fresh (256-byte aligned) copy rather than a misaligned address
             self.arr = self.arr.copy()
-        if self.dtype not in K.CUDA_TYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
-                            f"{self.dtype}")
         if self.arr.ndim < 2:
             raise ValueError(f"{name} must have at least 2 dimensions (..., N, d), got shape "
                              f"{tuple(self.arr.shape)}")
@@ -172,6 +174,28 @@ class _In:
     @property
     def shape(self):
         return tuple(self.arr.shape)
+
+
+def _view(cp, t, dtype):
+    """A CuPy array over a contiguous CUDA tensor's memory (the tensor stays alive as its
+    owner)."""
+    if t.numel() == 0:
+        return cp.empty(tuple(t.shape), dtype=dtype)
+    mem = cp.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t,
+                                t.device.index)
+    return cp.ndarray(tuple(t.shape), dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+def _stream(x):
+    """Run on PyTorch's current stream when the inputs are tensors, so our kernels are
+    ordered with the user's PyTorch work; otherwise on CuPy's current stream."""
+    if type(x).__module__.split(".")[0] != "torch":
+        return contextlib.nullcontext()
+    import torch
+    dev = x.device.index if x.device.type == "cuda" else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # the fast path, ~1 µs
+    ptr = raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+    return _cupy().cuda.ExternalStream(ptr, dev)
 
 
 def _storage(cp, dtype: str):
@@ -330,6 +354,12 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     tiles 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
     "auto" (default): "tc" whenever it supports the inputs.
     """
+    with _stream(q):
+        return _attention(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
+                          count_io=count_io, kernel=kernel)
+
+
+def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
     cp = _cupy()
     qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
     shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)
@@ -377,6 +407,14 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     at some cost in speed; the bytes moved are the same."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    with _stream(q):
+        return _attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                   block_sizes=block_sizes, count_io=count_io,
+                                   kernel=kernel, deterministic=deterministic)
+
+
+def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, count_io,
+                        kernel, deterministic):
     cp = _cupy()
     qi, ki, vi = _In(q, "q"), _In(k, "k"), _In(v, "v")
     shape, Q, Kd, Vd, kv_index = _layout(qi, ki, vi)

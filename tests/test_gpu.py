@@ -329,6 +329,33 @@ def test_torch_in_torch_out_without_copy():
     assert (out.float() - ref).abs().max().item() < 2e-2
 
 
+def test_a_misaligned_view_is_copied_not_misread():
+    import cupy as cp
+    rng = np.random.default_rng(8)
+    base = cp.asarray(rng.standard_normal(2 * 100 * 64 + 1).astype(np.float16))
+    q = base[1:].reshape(1, 2, 100, 64)               # starts 2 bytes into an allocation
+    assert q.data.ptr % 16
+    out = fs.gpu.attention(q, q, q, kernel="tc")[0]
+    ref = fs.gpu.attention(q.copy(), q.copy(), q.copy(), kernel="tc")[0]
+    assert bool((out == ref).all())
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
+def test_torch_inputs_on_a_side_stream():
+    """The kernels run on PyTorch's current stream: work queued before and after them on a
+    side stream sees their inputs and outputs in order, with no synchronisation."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q, k, v = (torch.randn(2, 4, 700, 128, device="cuda", dtype=torch.float16) * 2
+                   for _ in range(3))
+        out, lse = fs.gpu.attention(q, k, v, causal=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                               is_causal=True)
+        err = (out.float() - ref).abs().max()
+    s.synchronize()
+    assert err.item() < 2e-2
+
+
 def test_deterministic_outputs_for_the_forward():
     import cupy as cp
     rng = np.random.default_rng(6)
