@@ -195,7 +195,20 @@ def _stream(x):
     dev = x.device.index if x.device.type == "cuda" else torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # the fast path, ~1 µs
     ptr = raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
-    return _cupy().cuda.ExternalStream(ptr, dev)
+    cp = _cupy()
+    if hasattr(cp.cuda.Stream, "from_external"):                 # CuPy ≥ 14
+        return cp.cuda.Stream.from_external(_StreamHandle(ptr))
+    return cp.cuda.ExternalStream(ptr, dev)
+
+
+class _StreamHandle:
+    """A raw CUDA stream in the CUDA stream protocol (what Stream.from_external reads)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
 
 
 def _storage(cp, dtype: str):

@@ -489,13 +489,11 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     for (int i = ilo; i <= ihi; ++i) {
         const int buf = (i - ilo) & 1;
         const int i0 = i * BrB, rows = min(BrB, Nq - i0);
-        if (i < ihi) {
-            load_q_step(i + 1, buf ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        // once every warp is past this barrier, step i's tiles have landed and no warp
+        // still reads buffer buf ^ 1 (step i − 1) or dSᵀ, so step i + 1 may stream in
+        cp_async_wait<0>();
         __syncthreads();
+        if (i < ihi) load_q_step(i + 1, buf ^ 1);
         const T* sQb = sQ + buf * BrB * D;
         const T* sdOb = sdO + buf * BrB * D;
         const float* sLb = sL + buf * BrB;
@@ -630,7 +628,6 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         }
         COUNT_IO(io, IO_dQacc_R, (long long)rows * D * 4);        // HBM→SRAM: dQacc_i (Br·d fp32)
         COUNT_IO(io, IO_dQacc_W, (long long)rows * D * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
-        __syncthreads();                                      // buffers and dSᵀ are reused
     }
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
