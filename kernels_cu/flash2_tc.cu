@@ -56,6 +56,16 @@ template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC
 #define FLASHSIM_TC_QREG -1
 #endif
 template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : D == 64; }
+// where the next K/V tile's loads are issued: at the top of the iteration, before the
+// barrier (0), or after the softmax, when S's registers are free and one barrier per
+// iteration suffices (1, shipped: +8% at D = 128, +1% at D = 64); -1 = the default
+#ifndef FLASHSIM_TC_LATE
+#define FLASHSIM_TC_LATE -1
+#endif
+template <int D> __host__ __device__ constexpr bool late() { return FLASHSIM_TC_LATE >= 0 ? FLASHSIM_TC_LATE : true; }
+#ifndef FLASHSIM_TC_LOAD_UNROLL
+#define FLASHSIM_TC_LOAD_UNROLL 0
+#endif
 constexpr int Bc = FLASHSIM_TC_BC;
 
 // mma.sync reads only its registers, so it need not be `asm volatile`: without it the
@@ -127,6 +137,28 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
+// Addresses into a swizzled tile without per-load arithmetic. Chunk ch = 2k + h of row r
+// (k a compile-time step, h ∈ {0, 1} taken from the lane) sits at byte
+// row_base + ((ch ^ (r & 7)) << 4); with row_base a multiple of 128 (rows of ≥ 64
+// halves) that is (row_base + ((h ^ (r & 7)) << 4)) ^ ((k & 3) << 5) + (k >> 2)·128.
+// So a thread computes one base per tile, swz_base(...), and each ldmatrix address is one
+// XOR with an immediate plus an immediate offset; rows 8 apart share the base's swizzle.
+template <int D>
+__device__ __forceinline__ unsigned swz_base(const void* tile, int r, int h) {
+    return smem_addr(tile) + r * D * 2 + ((h ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
+    return (base ^ ((k & 3) << 5)) + ((k >> 2) << 7);
+}
+__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
 __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
@@ -136,14 +168,30 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// rows [0, valid) of a rows × D tile from global (row-major, D contiguous) into shared
-template <typename T, int D, int ROWS>
+// rows [0, valid) of a ROWS × D tile from global (row-major, D contiguous) into shared,
+// by THREADS threads, 16 bytes each per pass. The passes are unrolled at compile time and
+// a thread keeps its 16-byte column c in every pass, so its swizzled shared address
+// and its global address move by constants: one predicate, one address select and one
+// cp.async per chunk (a runtime loop with x / CH and x % CH cost ~20 instructions each).
+template <typename T, int D, int ROWS, int THREADS, int UNROLL = 0>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
-    constexpr int CH = D / 8;                       // 16-byte chunks per row
-    for (int x = threadIdx.x; x < ROWS * CH; x += 32 * warps<D>()) {
-        const int r = x / CH, c = x % CH;
+    constexpr int CH = D / 8, RPI = THREADS / CH;   // 16-byte chunks per row, rows per pass
+    static_assert(THREADS % CH == 0, "a pass must cover whole rows");
+    // tid read through volatile asm: the compiler may not hoist it, and so keeps no
+    // per-thread offsets live across the caller's loop (registers are short there)
+    unsigned tid;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    const int c = tid % CH, r0 = tid / CH;
+    // UNROLL > 0 caps the unrolling where registers are short (each unrolled pass holds
+    // its own 64-bit address)
+#pragma unroll (UNROLL > 0 ? UNROLL : (ROWS + RPI - 1) / RPI)
+    for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
+        const int r = r0 + it * RPI;
+        if (ROWS % RPI != 0 && r >= ROWS) break;   // only when the passes overshoot
         const bool ok = r < valid;
-        cp_async16(s + swz<D>(r, c), g + (ok ? (long long)r * D + c * 8 : 0), ok);
+        // RPI is a multiple of 8, so r & 7 = r0 & 7 in every pass
+        const int sc = RPI % 8 == 0 ? c ^ (r0 & 7) : c ^ (r & 7);
+        cp_async16(s + r * D + (sc << 3), g + (ok ? r * D + c * 8 : 0), ok);
     }
 }
 
@@ -186,12 +234,12 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         return;
     }
 
-    load_tile<T, D, Br>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
+    load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
     cp_async_commit();
     {
         const int j0 = jlo * Bc, cols = min(Bc, Nk - j0);
-        load_tile<T, D, Bc>(sK, Kp + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
-        load_tile<T, D, Bc>(sV, Vp + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sK, Kp + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sV, Vp + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
         // the loads are counted once, after the loop: counter updates inside it would
         // hold registers the two m-tiles need
         cp_async_commit();
@@ -202,13 +250,19 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // Q_i's A fragments of this warp's rows, D/16 k-steps: kept in registers, or (QREG =
     // false) read again from shared memory at each k-step, where Q_i stays for the loop
     constexpr bool QREG = qreg<D>();
+    constexpr bool LATE = late<D>();
+    // per-thread bases of the ldmatrix addresses (swz_base): Q_i's rows of this warp
+    // (A operand), K_j's keys (B operand), V_j's keys (B operand, transposed)
+    const unsigned qbase = swz_base<D>(sQ, warp * RW + (lane & 15), lane >> 4);
+    const unsigned kbase = swz_base<D>(sK, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const unsigned vbase = swz_base<D>(sV, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     unsigned qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
     if constexpr (QREG) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
-                ldsm_x4(qf[mi][kk], sQ + swz<D>(warp * RW + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+                ldsm_x4(qf[mi][kk], swz_step(qbase, kk) + mi * 16 * D * 2);
     }
 
     float o[MT][D / 8][4];
@@ -223,14 +277,20 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     for (int j = jlo; j <= jhi; ++j) {
         const int buf = (j - jlo) & 1;
-        const T* sKb = sK + buf * Bc * D;
-        const T* sVb = sV + buf * Bc * D;
-        if (j < jhi) {                               // stream tile j+1 behind tile j
+        // stream tile j+1 into the other buffer behind tile j
+        auto prefetch = [&]() {
             const int j0n = (j + 1) * Bc, colsn = min(Bc, Nk - j0n);
-            load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D, Kp + (long long)j0n * D, colsn);
-            load_tile<T, D, Bc>(sV + (buf ^ 1) * Bc * D, Vp + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sK + (buf ^ 1) * Bc * D, Kp + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sV + (buf ^ 1) * Bc * D, Vp + (long long)j0n * D, colsn);
             cp_async_commit();
-            cp_async_wait<1>();
+        };
+        if constexpr (!LATE) {
+            if (j < jhi) {
+                prefetch();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
         } else {
             cp_async_wait<0>();
         }
@@ -248,13 +308,12 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             if constexpr (!QREG) {
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
-                    ldsm_x4(qs[mi], sQ + swz<D>(warp * RW + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+                    ldsm_x4(qs[mi], swz_step(qbase, kk) + mi * 16 * D * 2);
             }
 #pragma unroll
             for (int t = 0; t < Bc / 8; t += 2) {
                 unsigned b[4];   // (n-tile t: k lo, k hi), (n-tile t+1: k lo, k hi)
-                const int n = t * 8 + (lane & 7) + ((lane >> 4) << 3);
-                ldsm_x4(b, sKb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
+                ldsm_x4(b, swz_step(kbase + buf * Bc * D * 2, kk) + t * 8 * D * 2);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
                     const unsigned* a = QREG ? qf[QREG ? mi : 0][QREG ? kk : 0] : qs[QREG ? 0 : mi];
@@ -319,14 +378,20 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             }
         }
 
+        // LATE: the prefetch is issued here, where S is dead and its registers are free;
+        // buffer buf ^ 1 was last read in iteration j − 1, which every warp finished
+        // before the barrier above, so no barrier is needed at the end of the iteration
+        if constexpr (LATE) {
+            if (j < jhi) prefetch();
+        }
+
         // O_i += P V_j: k = keys (Bc/16 k-steps), n = D/8 tiles of 8 columns
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk) {
 #pragma unroll
             for (int t = 0; t < D / 8; t += 2) {
                 unsigned b[4];   // V rows are keys: .trans turns them into B fragments
-                const int kr = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-                ldsm_x4_t(b, sVb + swz<D>(kr, t + (lane >> 4)));
+                ldsm_x4_t(b, swz_step(vbase + buf * Bc * D * 2, t / 2) + kk * 16 * D * 2);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
                     Mma<T>::run(o[mi][t], pf[mi][kk], b);
@@ -334,14 +399,24 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 }
             }
         }
-        __syncthreads();                             // buffer buf is refilled next step
+        if constexpr (!LATE) __syncthreads();        // buffer buf is refilled next step
     }
 
-    // finish: reduce ℓ over the quad, divide once, write O_i and L_i
-    T* Oi = O + q_row * D;
+    // finish: reduce ℓ over the quad, divide once, write O_i and L_i. The thread's row is
+    // recomputed from tid (read through volatile asm, so not kept live across the loop,
+    // where every register is taken)
+    unsigned tid_end, bx, by, nbx;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_end));
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bx));
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(by));
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(nbx));
+    const int row_end = (tid_end >> 5) * RW + ((tid_end & 31) >> 2);
+    const int i0e = (int)(nbx - 1 - bx) * Br, rows_e = min(Br, Nq - i0e);
+    const long long q_row_e = (long long)by * Nq + i0e;
+    T* Oi = O + q_row_e * D;
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
-        const int r0 = warp * RW + mi * 16 + g, r1 = r0 + 8;
+        const int r0 = row_end + mi * 16, r1 = r0 + 8;
         float l0 = l[mi][0], l1 = l[mi][1];
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
@@ -352,26 +427,26 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
         for (int t = 0; t < D / 8; ++t) {
             const int c = t * 8 + tig * 2;
-            if (r0 < rows)
+            if (r0 < rows_e)
                 *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) =
                     Mma<T>::pack(o[mi][t][0] * inv0, o[mi][t][1] * inv0);
-            if (r1 < rows)
+            if (r1 < rows_e)
                 *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) =
                     Mma<T>::pack(o[mi][t][2] * inv1, o[mi][t][3] * inv1);
         }
         if (tig == 0) {
             constexpr float LN2 = 0.6931471805599453f;
-            if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m[mi][0] + log2f(l0)) * LN2 : neg_inf<float>();
-            if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m[mi][1] + log2f(l1)) * LN2 : neg_inf<float>();
+            if (r0 < rows_e) L[q_row_e + r0] = l0 > 0.f ? (m[mi][0] + log2f(l0)) * LN2 : neg_inf<float>();
+            if (r1 < rows_e) L[q_row_e + r1] = l1 > 0.f ? (m[mi][1] + log2f(l1)) * LN2 : neg_inf<float>();
         }
     }
-    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    COUNT_IO(io, IO_Q_R, (long long)rows_e * D * sizeof(T));      // HBM→SRAM: Q_i (Br·d)
     // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
     const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
     COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
     COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
-    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
-    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+    COUNT_IO(io, IO_O_W, (long long)rows_e * D * sizeof(T));      // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_L_W, (long long)rows_e * 4);                  // SRAM→HBM: L_i (Br)
 }
 
 // flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre- and post-pass
@@ -454,12 +529,8 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     auto load_q_step = [&](int i, int buf) {
         const int i0 = i * BrB, rows = min(BrB, Nq - i0);
         const long long q_row = (long long)p * Nq + i0;
-        for (int x = tid; x < BrB * (D / 8); x += THREADS) {
-            const int r = x / (D / 8), c = x % (D / 8);
-            const bool ok = r < rows;
-            cp_async16(sQ + buf * BrB * D + swz<D>(r, c), Q + (ok ? (q_row + r) * D + c * 8 : 0), ok);
-            cp_async16(sdO + buf * BrB * D + swz<D>(r, c), dO + (ok ? (q_row + r) * D + c * 8 : 0), ok);
-        }
+        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Q + q_row * D, rows);
+        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dO + q_row * D, rows);
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
         // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
         for (int r = tid; r < BrB; r += THREADS) {
@@ -475,12 +546,8 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     };
 
     if (ihi >= ilo) {
-        for (int x = tid; x < Bc * (D / 8); x += THREADS) {
-            const int r = x / (D / 8), c = x % (D / 8);
-            const bool ok = r < cols;
-            cp_async16(sK + swz<D>(r, c), K + (ok ? (kv * Nk + j0 + r) * D + c * 8 : 0), ok);
-            cp_async16(sV + swz<D>(r, c), V + (ok ? (kv * Nk + j0 + r) * D + c * 8 : 0), ok);
-        }
+        load_tile<T, D, Bc, THREADS>(sK, K + (kv * Nk + j0) * D, cols);
+        load_tile<T, D, Bc, THREADS>(sV, V + (kv * Nk + j0) * D, cols);
         COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
         COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
         cp_async_commit();
