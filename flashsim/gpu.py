@@ -101,10 +101,23 @@ def _kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int
 KERNELS = ("auto", "ref", "tc")
 
 
+@functools.lru_cache(maxsize=None)
+def _cc_major(device: int) -> int:
+    # CuPy spells the compute capability as a string, "90" for 9.0
+    return int(_cupy().cuda.Device(device).compute_capability) // 10
+
+
+def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
+    """The tensor-core kernel's (Br, Bc) for head dim d on the current device."""
+    if backward:
+        return K.tc_bwd_blocks(d, _cc_major(_cupy().cuda.Device().id))
+    return K.TC_BLOCKS[d]
+
+
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
-    tiles = K.TC_BWD_BLOCKS if backward else K.TC_BLOCKS
     return (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS
-            and (block_sizes is None or tuple(block_sizes) == tiles[shape.d]))
+            and (block_sizes is None
+                 or tuple(block_sizes) == _tc_tiles(shape.d, backward)))
 
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False) -> str:
@@ -118,7 +131,8 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
     if kernel == "tc":
         raise ValueError(
             f"the tensor-core kernel runs float16/bfloat16 with d = dv in {K.TC_HEAD_DIMS} "
-            f"and its own tiles {K.TC_BLOCKS}; got {dtype}, d={shape.d}, dv={shape.dv}, "
+            f"and its own tiles (fs.gpu.block_sizes(q, v, kernel='tc')); got {dtype}, "
+            f"d={shape.d}, dv={shape.dv}, "
             f"block_sizes={block_sizes}. Use kernel='ref' or 'auto'.")
     return "ref"
 
@@ -315,7 +329,7 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[
     qi, vi = _In(q, "q"), _In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
     if _choose(kernel, shape, qi.dtype, None, backward) == "tc":
-        return (K.TC_BWD_BLOCKS if backward else K.TC_BLOCKS)[shape.d]
+        return _tc_tiles(shape.d, backward)
     return _blocks(None, shape, qi.dtype, backward)
 
 
@@ -386,12 +400,12 @@ def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
     io = _counters(cp, count_io)
     i32 = np.int32
     if which == "tc":
-        Br, Bc = K.TC_BLOCKS[shape.d]
+        Br, Bc = _tc_tiles(shape.d, False)
         smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, shape.d, shape.dv, dtype)
         _launch(cp, _kernel("flash2_fwd_tc", dtype, count_io, shape.d), (-(-Nq // Br), P),
                 smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
                        i32(right), np.float32(scale * math.log2(math.e)), io),
-                threads=K.TC_THREADS[shape.d])
+                threads=K.tc_threads(shape.d, _cc_major(cp.cuda.Device().id)))
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
@@ -451,7 +465,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, 
     left, right = _band(causal)
     which = _choose(kernel, shape, dtype, block_sizes, backward=True)
     if which == "tc":
-        Br, Bc = K.TC_BWD_BLOCKS[shape.d]
+        Br, Bc = _tc_tiles(shape.d, True)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
     P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv

@@ -31,12 +31,27 @@ SOURCES = {
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIMS = (64, 128)
-# (Br, Bc) and threads per head dim: 4 warps of 32 query rows at d = 64, 8 warps of 16 at
-# d = 128 (kernels_cu/NOTES.md)
+# forward (Br, Bc) per head dim: 4 warps of two 16-row m-tiles (kernels_cu/NOTES.md); on
+# Ampere (sm_8x) d = 128 runs the same tile as 8 warps of one m-tile (fewer registers)
 TC_BLOCKS = {64: (128, 64), 128: (128, 64)}
 TC_THREADS = {64: 128, 128: 128}
-# backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps of 16 keys
+TC_THREADS_AMPERE = {64: 128, 128: 256}
+# backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps of 16 keys;
+# on Ampere d = 128 takes 32-query steps
 TC_BWD_BLOCKS = {64: (64, 128), 128: (64, 128)}
+TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
+
+
+def tc_threads(d: int, cc_major: int) -> int:
+    """Threads per CTA of the tensor-core forward on a device of this compute capability."""
+    return (TC_THREADS_AMPERE if cc_major < 9 else TC_THREADS)[d]
+
+
+def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
+    """(Br, Bc) of the tensor-core backward on a device of this compute capability."""
+    return (TC_BWD_BLOCKS_AMPERE if cc_major < 9 else TC_BWD_BLOCKS)[d]
+
+
 TC_BWD_THREADS = 256
 # its pre-pass (D = rowsum(dO ∘ O), dQacc = 0): rows per CTA and threads
 TC_PRE_BR, TC_PRE_THREADS = 64, 128

@@ -42,20 +42,29 @@ namespace tc {
 #ifndef FLASHSIM_TC_MINBLOCKS
 #define FLASHSIM_TC_MINBLOCKS 1
 #endif
-template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : 4; }
+// Ampere (sm_8x) gets D = 128 tiles of the same Br × Bc with fewer registers per thread
+// (8 warps × 1 m-tile forward, 32-row backward steps): the sm_90 choices need 253-255
+// registers there and ptxas for sm_8x spills a few. flashsim/kernels.py mirrors this.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FLASHSIM_TC_AMPERE 1
+#else
+#define FLASHSIM_TC_AMPERE 0
+#endif
+template <int D> __host__ __device__ constexpr bool ampere128() { return FLASHSIM_TC_AMPERE && D == 128; }
+template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : (ampere128<D>() ? 8 : 4); }
 // m-tiles of 16 rows per warp: each K/V fragment loaded feeds MT MMAs (2: +15% at
 // D = 64 in analysis/tune_tc.py); the macro overrides it for tuning
 #ifndef FLASHSIM_TC_MT
 #define FLASHSIM_TC_MT 0
 #endif
-template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : 2; }
+template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (ampere128<D>() ? 1 : 2); }
 // Q_i's A fragments held in registers for the whole loop (1), or read from shared memory
 // with ldmatrix at every k-step (0), which frees D/4·MT registers for a second m-tile
 // at D = 128; the macro overrides it for tuning (-1 = the default)
 #ifndef FLASHSIM_TC_QREG
 #define FLASHSIM_TC_QREG -1
 #endif
-template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : D == 64; }
+template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : (D == 64 || ampere128<D>()); }
 // where the next K/V tile's loads are issued: at the top of the iteration, before the
 // barrier (0), or after the softmax, when S's registers are free and one barrier per
 // iteration suffices (1, shipped: +8% at D = 128, +1% at D = 64); -1 = the default
@@ -220,8 +229,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const int i0 = i * Br, rows = min(Br, Nq - i0);
     const long long q_row = (long long)p * Nq + i0;
     const long long kv = kv_index[p];
-    const T* Kp = K + kv * Nk * D;
-    const T* Vp = V + kv * Nk * D;
+    const long long kv_off = kv * Nk * D;           // K_p and V_p start here (one register pair)
     const Band band{left, right, Nk - Nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
@@ -238,8 +246,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     cp_async_commit();
     {
         const int j0 = jlo * Bc, cols = min(Bc, Nk - j0);
-        load_tile<T, D, Bc, 32 * warps<D>()>(sK, Kp + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
-        load_tile<T, D, Bc, 32 * warps<D>()>(sV, Vp + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sK, K + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sV, V + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
         // the loads are counted once, after the loop: counter updates inside it would
         // hold registers the two m-tiles need
         cp_async_commit();
@@ -280,8 +288,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // stream tile j+1 into the other buffer behind tile j
         auto prefetch = [&]() {
             const int j0n = (j + 1) * Bc, colsn = min(Bc, Nk - j0n);
-            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sK + (buf ^ 1) * Bc * D, Kp + (long long)j0n * D, colsn);
-            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sV + (buf ^ 1) * Bc * D, Vp + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sK + (buf ^ 1) * Bc * D, K + kv_off + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sV + (buf ^ 1) * Bc * D, V + kv_off + (long long)j0n * D, colsn);
             cp_async_commit();
         };
         if constexpr (!LATE) {
@@ -469,7 +477,7 @@ namespace tcb {
 #ifndef FLASHSIM_TCB_BRB
 #define FLASHSIM_TCB_BRB 0
 #endif
-template <int D> __host__ __device__ constexpr int brb() { return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : 64; }
+template <int D> __host__ __device__ constexpr int brb() { return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (tc::ampere128<D>() ? 32 : 64); }
 // 8 warps of 16 keys: Bc = 128 keys per CTA halves the dQ atomics against Bc = 64
 #ifndef FLASHSIM_TCB_WARPS
 #define FLASHSIM_TCB_WARPS 8
