@@ -526,6 +526,15 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, Nq, BrB, &ilo, &ihi);
     const int k0 = warp * 16 + g, k1 = k0 + 8;    // this thread's two keys (rows of Sᵀ)
+    // per-thread bases of the ldmatrix addresses (swz_base): K_j, V_j rows of this warp's
+    // keys (A operand); Q_i, dO_i as B operands, plain and transposed; K_j transposed
+    // (V_j and dO_i sit a constant distance after K_j and Q_i: their bases are those plus
+    // an immediate, which keeps four registers, not seven)
+    const unsigned kabase = swz_base<D>(sK, warp * 16 + (lane & 15), lane >> 4);
+    const unsigned qbbase = swz_base<D>(sQ, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const unsigned qtbase = swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const unsigned ktbase = swz_base<D>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2;   // bytes
     const bool ragged = cols < Bc;                // keys past Nk in this tile
 
     float dv[D / 8][4], dk[D / 8][4];
@@ -569,8 +578,6 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         cp_async_wait<0>();
         __syncthreads();
         if (i < ihi) load_q_step(i + 1, buf ^ 1);
-        const T* sQb = sQ + buf * BrB * D;
-        const T* sdOb = sdO + buf * BrB * D;
         const float* sLb = sL + buf * BrB;
         const float* sDb = sD + buf * BrB;
 
@@ -583,16 +590,15 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             unsigned ka[4], va[4];
-            ldsm_x4(ka, sK + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-            ldsm_x4(va, sV + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            ldsm_x4(ka, swz_step(kabase, kk));
+            ldsm_x4(va, swz_step(kabase, kk) + V_FROM_K);
 #pragma unroll
             for (int t = 0; t < BrB / 8; t += 2) {
                 unsigned b[4];
-                const int n = t * 8 + (lane & 7) + ((lane >> 4) << 3);
-                ldsm_x4(b, sQb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
+                ldsm_x4(b, swz_step(qbbase + buf * BrB * D * 2, kk) + t * 8 * D * 2);
                 Mma<T>::run(s[t], ka, b);
                 Mma<T>::run(s[t + 1], ka, b + 2);
-                ldsm_x4(b, sdOb + swz<D>(n, kk * 2 + ((lane >> 3) & 1)));
+                ldsm_x4(b, swz_step(qbbase + buf * BrB * D * 2, kk) + t * 8 * D * 2 + DO_FROM_Q);
                 Mma<T>::run(dp[t], va, b);
                 Mma<T>::run(dp[t + 1], va, b + 2);
             }
@@ -635,11 +641,10 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
             for (int t = 0; t < D / 8; t += 2) {
                 unsigned b[4];
-                const int qr = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-                ldsm_x4_t(b, sdOb + swz<D>(qr, t + (lane >> 4)));
+                ldsm_x4_t(b, swz_step(qtbase + buf * BrB * D * 2, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
                 Mma<T>::run(dv[t], pa[kk], b);
                 Mma<T>::run(dv[t + 1], pa[kk], b + 2);
-                ldsm_x4_t(b, sQb + swz<D>(qr, t + (lane >> 4)));
+                ldsm_x4_t(b, swz_step(qtbase + buf * BrB * D * 2, t / 2) + kk * 16 * D * 2);
                 Mma<T>::run(dk[t], dsa, b);
                 Mma<T>::run(dk[t + 1], dsa, b + 2);
             }
@@ -679,8 +684,7 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
                     for (int t = 0; t < NC / 8; t += 2) {
                         unsigned b[4];
-                        const int krow = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-                        ldsm_x4_t(b, sK + swz<D>(krow, (n0 >> 3) + t + (lane >> 4)));
+                        ldsm_x4_t(b, swz_step(ktbase, (n0 >> 4) + t / 2) + kk * 16 * D * 2);
 #pragma unroll
                         for (int u = 0; u < MPW; ++u) {
                             Mma<T>::run(dq[u][t], a[u], b);
