@@ -2,8 +2,11 @@
 shape, for Nsight Compute:
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-        --section Occupancy --section MemoryWorkloadAnalysis -k regex:_tc -c 2 \
-        python3 analysis/profile_tc.py [--d 128] [--n 4096]
+        --section Occupancy --section MemoryWorkloadAnalysis -k regex:"flash2_(fwd|bwd)_tc" -c 2 \
+        python3 analysis/profile_tc.py [--d 128] [--n 4096] [--sdpa]
+
+With --sdpa, PyTorch SDPA's flash kernels run too (add them to -k, e.g.
+-k regex:"flash2_(fwd|bwd)_tc|flash_fwd_kernel|flash_bwd_dq_dk_dv" -c 4).
 """
 
 import argparse
@@ -20,6 +23,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--sdpa", action="store_true",
+                    help="also one forward and backward of PyTorch SDPA's flash backend "
+                         "(FlashAttention-2) on the same inputs, to profile beside ours")
     a = ap.parse_args(argv)
     import cupy as cp
     rng = np.random.default_rng(0)
@@ -29,6 +35,15 @@ def main(argv=None):
     out, lse = fs.gpu.attention(q, k, v, kernel="tc")
     fs.gpu.attention_backward(q, k, v, out, lse, do, kernel="tc")
     cp.cuda.Device().synchronize()
+    if a.sdpa:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (torch.from_dlpack(x).requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(qt, kt, vt)
+            o.backward(torch.from_dlpack(do))
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
