@@ -79,9 +79,10 @@ def fits(blocks, shape_d, shape_dv, dtype, backward=False):
 def poisoned(monkeypatch):
     """Every output buffer starts as NaN (all-ones bits), so an unwritten element shows."""
     import cupy as cp
+    real = fs.gpu._empty
 
-    def empty(_cp, shape, dtype):
-        a = cp.empty(shape, dtype=dtype)
+    def empty(_cp, shape, dtype, *args, **kw):
+        a = real(_cp, shape, dtype, *args, **kw)
         a.view(cp.uint8).fill(0xFF)
         return a
     monkeypatch.setattr(fs.gpu, "_empty", empty)
