@@ -2,7 +2,8 @@
 
     python3 analysis/bench_attention.py [--quick] [--out analysis/out/bench]
 
-Times, with CUDA events after warm-up (median of --reps), on inputs several times the
+Times, with CUDA events after warm-up (median of --reps, the implementations taking
+turns rep by rep), on inputs several times the
 L2 size: flashsim's kernels (`fs.gpu`), a dense CuPy attention (matmul, softmax,
 matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
 efficient and math backends when PyTorch is present. Grid: float16 and bfloat16;
@@ -25,7 +26,7 @@ import sys
 
 import numpy as np
 
-from _common import cuda_time as timer  # noqa: E402  (puts the repository root on sys.path)
+import _common  # noqa: E402,F401  (puts the repository root on sys.path)
 
 import flashsim as fs  # noqa: E402
 
@@ -48,6 +49,28 @@ def dense_cupy(cp, q, k, v, causal, scale):
     P = cp.exp(S)
     P /= P.sum(axis=-1, keepdims=True)
     return cp.matmul(P.astype(q.dtype), v)
+
+
+def interleaved(cp, fns, reps, warmup=3):
+    """Median milliseconds per entry of ``fns`` ({key: (fn, context factory or None)}),
+    each timed with CUDA events around one call, the entries taking turns rep by rep."""
+    import contextlib
+    for fn, ctx in fns.values():
+        with (ctx() if ctx else contextlib.nullcontext()):
+            for _ in range(warmup):
+                fn()
+    cp.cuda.Device().synchronize()
+    times = {key: [] for key in fns}
+    for _ in range(reps):
+        for key, (fn, ctx) in fns.items():
+            with (ctx() if ctx else contextlib.nullcontext()):
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+            times[key].append(cp.cuda.get_elapsed_time(start, stop))
+    return {key: float(np.median(t)) for key, t in times.items()}
 
 
 def main(argv=None):
@@ -114,19 +137,25 @@ def main(argv=None):
                               f"fwd {fwd_ms and round(ff / fwd_ms / 1e9, 1)} TF/s, "
                               f"bwd {bwd_ms and round(fb / bwd_ms / 1e9, 1)} TF/s", flush=True)
 
+                    # every implementation's forward and backward, timed interleaved: rep r
+                    # of each before rep r + 1 of any, so a slow spell of the GPU (clocks,
+                    # a neighbour) lands on all of them alike and the ratios stay fair
+                    fns = {}     # (name, "fwd"|"bwd") -> (fn, context factory or None)
                     for kern in a.kernels.split(","):
                         if not want(f"flashsim-{kern}") or (kern == "ref" and N > a.ref_max_n):
                             continue
                         out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kern)
-                        fwd = timer(cp, lambda: fs.gpu.attention(q, k, v, causal=causal,
-                                                                 kernel=kern), reps=a.reps)
-                        bwd = timer(cp, lambda: fs.gpu.attention_backward(
-                            q, k, v, out, lse, do, causal=causal, kernel=kern), reps=a.reps)
-                        add(f"flashsim-{kern}", fwd, bwd)
+                        fns[f"flashsim-{kern}", "fwd"] = (
+                            lambda kern=kern: fs.gpu.attention(q, k, v, causal=causal,
+                                                               kernel=kern), None)
+                        fns[f"flashsim-{kern}", "bwd"] = (
+                            lambda kern=kern, out=out, lse=lse: fs.gpu.attention_backward(
+                                q, k, v, out, lse, do, causal=causal, kernel=kern), None)
                     if want("dense-cupy") and dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
                         qc, kc, vc = (cp.from_dlpack(x) if have_torch else x for x in (q, k, v))
-                        add("dense-cupy", timer(cp, lambda: dense_cupy(cp, qc, kc, vc, causal, scale),
-                                                reps=a.reps), None)
+                        fns["dense-cupy", "fwd"] = (
+                            lambda qc=qc, kc=kc, vc=vc: dense_cupy(cp, qc, kc, vc, causal, scale),
+                            None)
                     for name, be in backends.items():
                         if not want(name):
                             continue
@@ -136,19 +165,26 @@ def main(argv=None):
                         try:
                             with sdpa_kernel(be):
                                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                                fwd = timer(cp, lambda: F.scaled_dot_product_attention(
-                                    qg, kg, vg, is_causal=causal), reps=a.reps)
-                                bwd = timer(cp, lambda: torch.autograd.grad(
-                                    o, (qg, kg, vg), do, retain_graph=True), reps=a.reps)
+                                torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
                         except RuntimeError as e:   # backend not available for this shape
                             print(f"  {name}: {str(e).splitlines()[0][:80]}")
                             continue
-                        add(name, fwd, bwd)
+                        # the backend is chosen outside the timed span, as a caller would
+                        # choose it once
+                        ctx = (lambda be=be: sdpa_kernel(be))
+                        fns[name, "fwd"] = (lambda qg=qg, kg=kg, vg=vg: F.scaled_dot_product_attention(
+                            qg, kg, vg, is_causal=causal), ctx)
+                        fns[name, "bwd"] = (lambda o=o, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
+                            o, (qg, kg, vg), do, retain_graph=True), ctx)
+                    ms = interleaved(cp, fns, a.reps)
+                    for name in dict.fromkeys(n for n, _ in fns):
+                        add(name, ms[name, "fwd"], ms.get((name, "bwd")))
+                    del fns
                     del q, k, v, do
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
             "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
             "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
-            "timing": f"CUDA events, median of {a.reps} after 3 warm-ups"}
+            "timing": f"CUDA events, median of {a.reps} after 3 warm-ups, implementations interleaved"}
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     md = [f"# Attention, forward and backward TFLOP/s — {gpu}, {meta['date']}", "",
