@@ -419,15 +419,45 @@ def _torch_forward(q, k, v, causal, scale):
     pointers passed straight to the kernel, the launch plan cached per shape. The general
     path costs ~0.1 ms of Python per call, a third of the kernel's time at N = 1k.
     Returns None for anything else (the general path then checks and runs it)."""
-    if type(q).__module__ != "torch" or type(k) is not type(q) or type(v) is not type(q):
+    if not _fast_inputs(q, k, v, causal, scale):
         return None
-    if not (q.is_cuda and k.is_cuda and v.is_cuda and q.dim() == k.dim() == v.dim() == 4
+    plan = _torch_forward_plan(q, k, v, causal, scale)
+    if plan is None:
+        return None
+    import torch
+    kern, grid, threads, smem, kv_index, tail, cp = plan
+    B, H, Nq, _ = q.shape
+    O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    L = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    dev = q.device.index
+    u64 = np.uint64
+    with cp.cuda.Device(dev), _torch_stream(cp, dev):
+        kern(grid, (threads,), (u64(q.data_ptr()), u64(k.data_ptr()), u64(v.data_ptr()),
+                                kv_index, u64(O.data_ptr()), u64(L.data_ptr())) + tail,
+             shared_mem=smem)
+    return O, L
+
+
+def _fast_inputs(q, k, v, causal, scale) -> bool:
+    """q, k, v are contiguous 4-D CUDA tensors of one dtype on one device (the shapes and
+    dtype are checked when the plan is made)."""
+    if type(q).__module__ != "torch" or type(k) is not type(q) or type(v) is not type(q):
+        return False
+    return (q.is_cuda and k.is_cuda and v.is_cuda and q.dim() == k.dim() == v.dim() == 4
             and q.dtype == k.dtype == v.dtype and q.is_contiguous() and k.is_contiguous()
             and v.is_contiguous() and q.device == k.device == v.device
-            and isinstance(causal, bool) and (scale is None or type(scale) in (float, int))):
-        return None
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, scale,
-           q.device.index)
+            and isinstance(causal, bool) and (scale is None or type(scale) in (float, int)))
+
+
+def _plan_key(q, k, v, causal, scale):
+    return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, scale,
+            q.device.index)
+
+
+def _torch_forward_plan(q, k, v, causal, scale):
+    """The cached launch plan for these tensors, or None where the fast path does not
+    apply (the caller has checked the types)."""
+    key = _plan_key(q, k, v, causal, scale)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_torch_forward(q, k, v, causal, scale)
@@ -436,22 +466,17 @@ def _torch_forward(q, k, v, causal, scale):
         _PLANS[key] = plan
     if plan is False or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         return None
+    return plan
+
+
+def _torch_stream(cp, dev: int):
+    """PyTorch's current stream on device dev, as a CuPy stream (cached per stream)."""
     import torch
-    kern, grid, threads, smem, kv_index, tail, cp = plan
-    B, H, Nq, _ = q.shape
-    O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    L = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    dev = q.device.index
     raw = torch._C._cuda_getCurrentRawStream(dev)
     stream = _STREAMS.get((dev, raw))
     if stream is None:
         stream = _STREAMS[dev, raw] = cp.cuda.Stream.from_external(_StreamHandle(raw))
-    u64 = np.uint64
-    with cp.cuda.Device(dev), stream:
-        kern(grid, (threads,), (u64(q.data_ptr()), u64(k.data_ptr()), u64(v.data_ptr()),
-                                kv_index, u64(O.data_ptr()), u64(L.data_ptr())) + tail,
-             shared_mem=smem)
-    return O, L
+    return stream
 
 
 def _plan_torch_forward(q, k, v, causal, scale):
@@ -483,6 +508,56 @@ def _plan_torch_forward(q, k, v, causal, scale):
                 np.float32(s * math.log2(math.e)), _unused_counters(q.device.index))
         threads = K.tc_threads(d, _cc_major(q.device.index))
     return kern, (-(-Nq // Br), B * H), threads, smem, kv_index, tail, cp
+
+
+def _torch_backward(q, k, v, out, lse, dout, causal, scale):
+    """The tensor-core backward on the fast path's terms (see _torch_forward), without
+    GQA (whose dK, dV group sums the general path does), unordered dQ atomics. Returns
+    None for anything else."""
+    if not _fast_inputs(q, k, v, causal, scale):
+        return None
+    import torch
+    if (any(type(x) is not type(q) for x in (out, lse, dout))
+            or k.shape[:2] != q.shape[:2] or out.shape != q.shape
+            or dout.shape != q.shape or out.dtype != q.dtype or dout.dtype != q.dtype
+            or lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:-1])
+            or not all(x.is_contiguous() and x.is_cuda and x.device == q.device
+                       for x in (out, lse, dout))
+            or any(x.data_ptr() % 16 for x in (out, dout))):
+        return None
+    plan = _torch_forward_plan(q, k, v, causal, scale)     # shapes, dtype, K/V index
+    if plan is None:
+        return None
+    kv_index, tail, cp = plan[4], plan[5], plan[6]
+    B, H, Nq, d = q.shape
+    Nk = k.shape[2]
+    P, dtype = B * H, ("float16" if q.dtype == torch.float16 else "bfloat16")
+    dev = q.device.index
+    Br, Bc = _tc_tiles(d, True)
+    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    D, dQacc = torch.empty((P, Nq), **f32), torch.empty((P, Nq, d), **f32)
+    dq, dk, dv = (torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
+    i32, u64 = np.int32, np.uint64
+    ptr = {n: u64(x.data_ptr()) for n, x in
+           (("q", q), ("k", k), ("v", v), ("o", out), ("l", lse), ("do", dout), ("D", D),
+            ("acc", dQacc), ("dq", dq), ("dk", dk), ("dv", dv))}
+    io = tail[-1]
+    smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, d, dtype)
+    left, right = _band(causal)
+    with cp.cuda.Device(dev), _torch_stream(cp, dev):
+        main = _kernel("flash2_bwd_tc", dtype, False, d)
+        _launch(cp, _kernel("flash2_bwd_preprocess_tc", dtype, False, d),
+                (-(-Nq // K.TC_PRE_BR), P), 0,
+                (ptr["o"], ptr["do"], ptr["D"], ptr["acc"], i32(Nq), io),
+                threads=K.TC_PRE_THREADS)
+        _launch(cp, main, (Tc, P), smem,
+                (ptr["q"], ptr["k"], ptr["v"], kv_index, ptr["do"], ptr["l"], ptr["D"],
+                 ptr["acc"], ptr["dk"], ptr["dv"], i32(Nq), i32(Nk), i32(left), i32(right),
+                 np.float32(check_scale(scale, d)), u64(0), io), threads=K.TC_BWD_THREADS)
+        _launch(cp, _kernel("flash2_bwd_postprocess", dtype, False), (Tr, P), 0,
+                (ptr["acc"], ptr["dq"], i32(Nq), i32(d), i32(Br), io))
+    return dq, dk, dv
 
 
 def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
@@ -533,6 +608,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     at some cost in speed; the bytes moved are the same."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    if not count_io and block_sizes is None and kernel in ("auto", "tc") and not deterministic:
+        fast = _torch_backward(q, k, v, out, lse, dout, causal, scale)
+        if fast is not None:
+            return fast
     with _stream(q):
         return _attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
                                    block_sizes=block_sizes, count_io=count_io,

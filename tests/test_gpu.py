@@ -378,6 +378,30 @@ def test_torch_fast_path_equals_the_general_path(causal, dtype, d):
         assert (o1.float() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, d", [("bfloat16", 128), ("float16", 64)])
+def test_torch_fast_backward_equals_the_general_path(monkeypatch, causal, dtype, d):
+    """The backward's fast path (contiguous tensors, no GQA) against the general path:
+    dK and dV the same bits, dQ within its fp32 atomics' ordering (a unit of the dtype)."""
+    tdt = getattr(torch, dtype)
+    q = torch.randn(2, 3, 333, d, device="cuda", dtype=tdt)
+    k, v = (torch.randn(2, 3, 517, d, device="cuda", dtype=tdt) for _ in range(2))
+    do = torch.randn_like(q)
+    o, lse = fs.gpu.attention(q, k, v, causal=causal)
+
+    def general(*a, **kw):
+        raise AssertionError("the fast path did not run")
+    with monkeypatch.context() as m:
+        m.setattr(fs.gpu, "_attention_backward", general)
+        fast = fs.gpu.attention_backward(q, k, v, o, lse, do, causal=causal)
+    slow = fs.gpu.attention_backward(q, k, v, o, lse, do, causal=causal, count_io=True)[:3]
+    assert torch.equal(fast[1], slow[1]) and torch.equal(fast[2], slow[2])
+    unit = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+    assert ((fast[0].float() - slow[0].float()).abs()
+            <= unit * slow[0].float().abs() + 1e-6).all()
+
+
 def test_deterministic_outputs_for_the_forward():
     import cupy as cp
     rng = np.random.default_rng(6)
