@@ -38,8 +38,8 @@ TC_THREADS = {64: 128, 128: 128}
 TC_THREADS_AMPERE = {64: 128, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps of 16 keys;
 # on Ampere d = 128 takes 32-query steps
-TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
-TC_BWD_BLOCKS_AMPERE = {64: (128, 128), 128: (32, 128)}
+TC_BWD_BLOCKS = {64: (64, 128), 128: (64, 128)}
+TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
 
 
 def tc_threads(d: int, cc_major: int) -> int:

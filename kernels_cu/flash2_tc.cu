@@ -473,12 +473,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // atomics; the sum is the same bits on every run.
 namespace tcb {
 // query rows per step: dK_j and dV_j (2·D/8·4 registers per thread) stay in registers,
-// Sᵀ and dPᵀ of BrB queries take BrB/2 each. 128 at D = 64 (+5% over 64 in
-// analysis/tune_tc.py, H100), 64 at D = 128 (32 on Ampere); the macro overrides it
+// Sᵀ and dPᵀ of BrB queries take BrB/2 each; the macro overrides it for tuning
 #ifndef FLASHSIM_TCB_BRB
 #define FLASHSIM_TCB_BRB 0
 #endif
-template <int D> __host__ __device__ constexpr int brb() { return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (D == 64 ? 128 : tc::ampere128<D>() ? 32 : 64); }
+template <int D> __host__ __device__ constexpr int brb() { return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (tc::ampere128<D>() ? 32 : 64); }
 // 8 warps of 16 keys: Bc = 128 keys per CTA halves the dQ atomics against Bc = 64
 #ifndef FLASHSIM_TCB_WARPS
 #define FLASHSIM_TCB_WARPS 8
