@@ -16,28 +16,13 @@ are shared by all variants). Needs a GPU and CuPy; prints one line per variant
 
 import argparse
 import math
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import cuda_time  # (puts the repository root on sys.path)
+
 import flashsim as fs  # noqa: E402
 from flashsim import kernels as K  # noqa: E402
-
-
-def _median_ms(cp, run, reps):
-    for _ in range(3):
-        run()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        run()
-        e1.record()
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1))
-    return float(np.median(ts))
 
 
 DEFINES: list[str] = []   # --define: macros added to every variant
@@ -82,7 +67,7 @@ def forward(cp, src, D, N, variants, reps, rng):
             kern(grid, (32 * warps,), args, shared_mem=smem)
         run()
         err = float(np.abs(cp.asnumpy(O).astype(np.float32) - ref).max())
-        ms = _median_ms(cp, run, reps)
+        ms = cuda_time(cp, run, reps=reps)
         print(f"fwd D={D} N={N} warps={warps} m-tiles={mt} qreg={qreg} Br={Br} Bc={bc} "
               f"minblocks={minb} regs={kern.num_regs} smem={smem}: {ms:.3f} ms, "
               f"{flops / ms / 1e9:.1f} TF/s, max|O - ref| = {err:.2e}", flush=True)
@@ -123,7 +108,7 @@ def backward(cp, src, D, N, variants, reps, rng):
         run()
         errs = [float(np.abs(cp.asnumpy(x).astype(np.float32) - r).max())
                 for x, r in zip((dQacc, dK, dV), ref)]
-        ms = _median_ms(cp, run, reps)
+        ms = cuda_time(cp, run, reps=reps)
         print(f"bwd D={D} N={N} BrB={brb} warps={warps} Bc={Bc} regs={kern.num_regs} "
               f"smem={smem}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TF/s, max err dQ/dK/dV = "
               + "/".join(f"{e:.1e}" for e in errs), flush=True)
