@@ -72,9 +72,6 @@ template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_
 #define FLASHSIM_TC_LATE -1
 #endif
 template <int D> __host__ __device__ constexpr bool late() { return FLASHSIM_TC_LATE >= 0 ? FLASHSIM_TC_LATE : true; }
-#ifndef FLASHSIM_TC_LOAD_UNROLL
-#define FLASHSIM_TC_LOAD_UNROLL 0
-#endif
 constexpr int Bc = FLASHSIM_TC_BC;
 
 // mma.sync reads only its registers, so it need not be `asm volatile`: without it the
@@ -118,10 +115,8 @@ template <> struct Mma<__nv_bfloat16> {
 };
 
 // Shared tiles are rows of D halves in 16-byte chunks; chunk c of row r lives at chunk
-// c ^ (r & 7). The 8 rows an ldmatrix reads then sit in 8 different bank groups.
-template <int D> __device__ __forceinline__ int swz(int r, int c) {
-    return r * D + ((c ^ (r & 7)) << 3);
-}
+// c ^ (r & 7) (load_tile writes them so, swz_base/swz_step read them). The 8 rows an
+// ldmatrix reads then sit in 8 different bank groups.
 
 // 2^x in one MUFU.EX2: exp2f without fast-math adds a range test and two multiplies per
 // element to keep denormal results. Flushing P < 2^-126 to zero is far below rounding:
@@ -182,7 +177,7 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
 // a thread keeps its 16-byte column c in every pass, so its swizzled shared address
 // and its global address move by constants: one predicate, one address select and one
 // cp.async per chunk (a runtime loop with x / CH and x % CH cost ~20 instructions each).
-template <typename T, int D, int ROWS, int THREADS, int UNROLL = 0>
+template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
     constexpr int CH = D / 8, RPI = THREADS / CH;   // 16-byte chunks per row, rows per pass
     static_assert(THREADS % CH == 0, "a pass must cover whole rows");
@@ -191,9 +186,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
     unsigned tid;
     asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
     const int c = tid % CH, r0 = tid / CH;
-    // UNROLL > 0 caps the unrolling where registers are short (each unrolled pass holds
-    // its own 64-bit address)
-#pragma unroll (UNROLL > 0 ? UNROLL : (ROWS + RPI - 1) / RPI)
+#pragma unroll
     for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
         const int r = r0 + it * RPI;
         if (ROWS % RPI != 0 && r >= ROWS) break;   // only when the passes overshoot
@@ -288,8 +281,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // stream tile j+1 into the other buffer behind tile j
         auto prefetch = [&]() {
             const int j0n = (j + 1) * Bc, colsn = min(Bc, Nk - j0n);
-            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sK + (buf ^ 1) * Bc * D, K + kv_off + (long long)j0n * D, colsn);
-            load_tile<T, D, Bc, 32 * warps<D>(), FLASHSIM_TC_LOAD_UNROLL>(sV + (buf ^ 1) * Bc * D, V + kv_off + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, K + kv_off + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, V + kv_off + (long long)j0n * D, colsn);
             cp_async_commit();
         };
         if constexpr (!LATE) {
