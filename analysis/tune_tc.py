@@ -2,12 +2,14 @@
 
     python3 analysis/tune_tc.py [--n 4096] [--reps 20] [--dims 64,128]
         [--variants warps:Bc:minblocks[:m-tiles[:qreg]],...]
-        [--bwd-variants BrB[:warps],...] [--define NAME=VALUE ...]
+        [--bwd-variants BrB,...] [--bwd-source OTHER.cu] [--define NAME=VALUE ...]
 
 Forward variants are flash2_tc.cu compiled with other tile macros (warps per CTA, Bc,
 the minimum CTAs per SM given to __launch_bounds__, 16-row m-tiles per warp, Q_i's
 fragments in registers (1) or re-read from shared memory (0)); backward variants set
-the query rows per step BrB and the warps (16 keys each, Bc = 16·warps). Each variant
+the query rows per step BrB (Bc = 128, 8 warps), each also built from --bwd-source (say
+an earlier flash2_tc.cu, from `git show REV:kernels_cu/flash2_tc.cu`) when given, so two
+versions run side by side in one process. Each variant
 is checked against the reference kernel's output on the same inputs and timed with
 CUDA events (median); the backward times its main loop alone (the pre- and post-pass
 are shared by all variants). Needs a GPU and CuPy; prints one line per variant
@@ -73,7 +75,7 @@ def forward(cp, src, D, N, variants, reps, rng):
               f"{flops / ms / 1e9:.1f} TF/s, max|O - ref| = {err:.2e}", flush=True)
 
 
-def backward(cp, src, D, N, variants, reps, rng):
+def backward(cp, sources, D, N, variants, reps, rng):
     H, B = 2048 // D, 16384 // N
     q, k, v, do = (cp.asarray(rng.standard_normal((B * H, N, D)).astype(np.float16))
                    for _ in range(4))
@@ -85,33 +87,33 @@ def backward(cp, src, D, N, variants, reps, rng):
     D_ = cp.sum(do.astype(cp.float32) * out.astype(cp.float32), axis=-1)
     flops = 2.5 * 4 * P * N * N * D
     scale = np.float32(1 / math.sqrt(D))
-    for var in variants:
-        brb, *rest = (int(x) for x in var.split(":"))
-        warps = rest[0] if rest else 8
-        Bc = 16 * warps
-        try:
-            kern = _build(cp, src, f"flash2_bwd_tc<__half, {D}>",
-                          (f"FLASHSIM_TCB_BRB={brb}", f"FLASHSIM_TCB_WARPS={warps}"))
-        except Exception as e:  # noqa: BLE001
-            print(f"bwd D={D} {var}: build failed: {str(e)[:200]}")
-            continue
-        smem = K.smem_bytes("flash2_bwd_tc", brb, Bc, D, D, "float16")
-        kern.max_dynamic_shared_size_bytes = smem
-        dQacc = cp.zeros((P, N, D), cp.float32)
-        dK, dV = cp.empty_like(k), cp.empty_like(v)
-        args = (q, k, v, kv_index, do, lse, D_, dQacc, dK, dV, np.int32(N), np.int32(N),
-                np.int32(-1), np.int32(-1), scale, np.uint64(0), cp.zeros(16, cp.uint64))
-        grid = (-(-N // Bc), P)
+    Bc = K.TC_BWD_BLOCKS[D][1]
+    for label, text in sources:
+        for var in variants:
+            brb = int(var)
+            try:
+                kern = _build(cp, text, f"flash2_bwd_tc<__half, {D}>", (f"FLASHSIM_TCB_BRB={brb}",))
+            except Exception as e:  # noqa: BLE001
+                print(f"bwd D={D} {label} BrB={brb}: build failed: {str(e)[:200]}")
+                continue
+            # this version's layout; an older source needs at most as much
+            smem = K.smem_bytes("flash2_bwd_tc", brb, Bc, D, D, "float16")
+            kern.max_dynamic_shared_size_bytes = smem
+            dQacc = cp.zeros((P, N, D), cp.float32)
+            dK, dV = cp.empty_like(k), cp.empty_like(v)
+            args = (q, k, v, kv_index, do, lse, D_, dQacc, dK, dV, np.int32(N), np.int32(N),
+                    np.int32(-1), np.int32(-1), scale, np.uint64(0), cp.zeros(16, cp.uint64))
+            grid = (-(-N // Bc), P)
 
-        def run():
-            kern(grid, (32 * warps,), args, shared_mem=smem)
-        run()
-        errs = [float(np.abs(cp.asnumpy(x).astype(np.float32) - r).max())
-                for x, r in zip((dQacc, dK, dV), ref)]
-        ms = cuda_time(cp, run, reps=reps)
-        print(f"bwd D={D} N={N} BrB={brb} warps={warps} Bc={Bc} regs={kern.num_regs} "
-              f"smem={smem}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TF/s, max err dQ/dK/dV = "
-              + "/".join(f"{e:.1e}" for e in errs), flush=True)
+            def run():
+                kern(grid, (K.TC_BWD_THREADS,), args, shared_mem=smem)
+            run()
+            errs = [float(np.abs(cp.asnumpy(x).astype(np.float32) - r).max())
+                    for x, r in zip((dQacc, dK, dV), ref)]
+            ms = cuda_time(cp, run, reps=reps)
+            print(f"bwd D={D} N={N} {label} BrB={brb} Bc={Bc} regs={kern.num_regs} "
+                  f"smem={smem}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TF/s, max err dQ/dK/dV = "
+                  + "/".join(f"{e:.1e}" for e in errs), flush=True)
 
 
 def main(argv=None):
@@ -122,7 +124,9 @@ def main(argv=None):
                     help="forward: warps:Bc:minblocks[:m-tiles[:qreg]], comma-separated "
                          "('' for none)")
     ap.add_argument("--bwd-variants", default="",
-                    help="backward: BrB[:warps], comma-separated")
+                    help="backward: query rows per step BrB, comma-separated")
+    ap.add_argument("--bwd-source", default=None,
+                    help="another flash2_tc.cu whose backward is timed beside this one's")
     ap.add_argument("--dims", type=lambda t: [int(x) for x in t.split(",")], default=[64, 128],
                     help="head dims to try (default 64,128)")
     ap.add_argument("--define", action="append", default=[],
@@ -136,7 +140,10 @@ def main(argv=None):
         if a.variants:
             forward(cp, src, D, a.n, a.variants.split(","), a.reps, rng)
         if a.bwd_variants:
-            backward(cp, src, D, a.n, a.bwd_variants.split(","), a.reps, rng)
+            sources = [("this", src)]
+            if a.bwd_source:
+                sources.append((a.bwd_source, open(a.bwd_source).read()))
+            backward(cp, sources, D, a.n, a.bwd_variants.split(","), a.reps, rng)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ TC_HEAD_DIMS = (64, 128)
 TC_BLOCKS = {64: (128, 64), 128: (128, 64)}
 TC_THREADS = {64: 128, 128: 128}
 TC_THREADS_AMPERE = {64: 128, 128: 256}
-# backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps of 16 keys;
-# on Ampere d = 128 takes 32-query steps
-TC_BWD_BLOCKS = {64: (64, 128), 128: (64, 128)}
+# backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps; on Ampere
+# the steps are half as long (d = 128: registers; d = 64: an A100's shared memory)
+TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
 
 
@@ -139,8 +139,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
     if kernel == "flash2_fwd_tc":   # Q_i, and K_j, V_j double-buffered, in the I/O type
         return (Br * d + 4 * Bc * d) * 2
-    if kernel == "flash2_bwd_tc":   # K_j, V_j; Q_i, dO_i double-buffered; dSᵀ (padded); L, D
-        return (2 * Bc * d + 4 * Br * d + Bc * (Br + 8)) * 2 + 4 * Br * 4
+    if kernel == "flash2_bwd_tc":   # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
+        return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
     return 0
 
 

@@ -104,9 +104,16 @@ enum IoCounter {
 // Each CTA adds the bytes of every tile it moves between global memory and shared
 // memory or registers; one thread per CTA does the add so it is counted once.
 #ifdef FLASHSIM_COUNT_IO
+// threadIdx.x is read through volatile asm so that the test is made where the count is,
+// not hoisted into a register held across a kernel's main loop
+__device__ __forceinline__ bool count_thread() {
+    unsigned t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t == 0;
+}
 #define COUNT_IO(io, which, bytes)                                                     \
     do {                                                                               \
-        if (threadIdx.x == 0)                                                          \
+        if (count_thread())                                                            \
             atomicAdd(&(io)[which], (unsigned long long)(bytes));                      \
     } while (0)
 #else

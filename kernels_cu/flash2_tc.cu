@@ -235,14 +235,23 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         return;
     }
 
+    // the traffic of the whole CTA, counted once here, where registers are free (counts
+    // inside or after the loop hold registers the two m-tiles need)
+    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    {   // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
+        const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
+        COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
+        COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
+    }
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+
     load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
     cp_async_commit();
     {
         const int j0 = jlo * Bc, cols = min(Bc, Nk - j0);
         load_tile<T, D, Bc, 32 * warps<D>()>(sK, K + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
         load_tile<T, D, Bc, 32 * warps<D>()>(sV, V + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
-        // the loads are counted once, after the loop: counter updates inside it would
-        // hold registers the two m-tiles need
         cp_async_commit();
     }
     cp_async_wait<1>();                              // Q has landed
@@ -441,41 +450,43 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             if (r1 < rows_e) L[q_row_e + r1] = l1 > 0.f ? (m[mi][1] + log2f(l1)) * LN2 : neg_inf<float>();
         }
     }
-    COUNT_IO(io, IO_Q_R, (long long)rows_e * D * sizeof(T));      // HBM→SRAM: Q_i (Br·d)
-    // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
-    const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
-    COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
-    COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
-    COUNT_IO(io, IO_O_W, (long long)rows_e * D * sizeof(T));      // SRAM→HBM: O_i (Br·d)
-    COUNT_IO(io, IO_L_W, (long long)rows_e * 4);                  // SRAM→HBM: L_i (Br)
 }
 
-// flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre- and post-pass
-// are the reference rung's; they only stream O, dO and dQacc once). K/V-outer like
-// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys, 8 warps of 16 keys each;
-// the visited Q tiles stream through shared memory, double-buffered, in steps of BrB
-// queries. Per step, each warp computes Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for its 16
-// keys, so Pᵀ and dSᵀ come out of the MMA accumulators already in the A-operand layout
-// for dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i (both kept in registers across the loop); dSᵀ
-// goes through shared memory once for dQ_i += dS K_j, which is added to the fp32
-// accumulator with atomics (two floats per instruction on sm_90).
+// flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre-pass is
+// flash2_bwd_preprocess_tc below, the post-pass the reference's). K/V-outer like
+// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys, 8 warps; the visited Q tiles
+// stream through shared memory, double-buffered, in steps of BrB queries. Each step runs
+// three products, each with the warps laid out so that every fragment a warp reads from
+// shared memory feeds several MMAs (ldmatrix traffic, not the tensor cores, limits this
+// loop):
+//   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ, warps 4 (32 keys) × 2 (BrB/2 queries); then
+//      Pᵀ = exp2(Sᵀ·scale·log2e − L·log2e) and dSᵀ = Pᵀ ∘ (dPᵀ − D) elementwise, both
+//      written to shared memory (keys × queries);
+//   2. dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i, warps 4 (32 keys) × 2 (D/2 columns), dK_j and
+//      dV_j kept in registers across the loop;
+//   3. dQ_i += scale · dS K_j, warps BrB/32 (32 queries) × the rest along D, added to the
+//      fp32 accumulator with atomics (two floats per instruction on sm_90).
+// Two barriers per step: Pᵀ and dSᵀ complete before 2 and 3 read them; the next step's
+// tiles landed and this step's readers done before they are overwritten.
 //
 // Deterministic mode (sem != nullptr, zeroed, one int per (problem, step of BrB rows)):
 // the K/V tiles that visit a step add into its rows of dQacc in increasing j
 // (common.cuh's wait_turn/pass_turn). The bytes moved are those of the unordered
 // atomics; the sum is the same bits on every run.
 namespace tcb {
-// query rows per step: dK_j and dV_j (2·D/8·4 registers per thread) stay in registers,
-// Sᵀ and dPᵀ of BrB queries take BrB/2 each; the macro overrides it for tuning
+// query rows per step. dK_j, dV_j take D/2 registers per thread, Sᵀ and dPᵀ BrB/2: 128
+// queries at D = 64, 64 at D = 128 (32 on Ampere at D = 128, where ptxas spills at 64;
+// 64 on Ampere at D = 64, where 128 needs more shared memory than an A100 has). The
+// macro overrides it for tuning.
 #ifndef FLASHSIM_TCB_BRB
 #define FLASHSIM_TCB_BRB 0
 #endif
-template <int D> __host__ __device__ constexpr int brb() { return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (tc::ampere128<D>() ? 32 : 64); }
-// 8 warps of 16 keys: Bc = 128 keys per CTA halves the dQ atomics against Bc = 64
-#ifndef FLASHSIM_TCB_WARPS
-#define FLASHSIM_TCB_WARPS 8
-#endif
-constexpr int WARPS = FLASHSIM_TCB_WARPS, Bc = 16 * WARPS, THREADS = 32 * WARPS;
+template <int D> __host__ __device__ constexpr int brb() {
+    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (FLASHSIM_TC_AMPERE ? (D == 128 ? 32 : 64) : (D == 64 ? 128 : 64));
+}
+// 8 warps, 32 keys each in products 1 and 2: Bc = 128 keys per CTA halves the dQ atomics
+// against Bc = 64
+constexpr int WARPS = 8, Bc = 128, THREADS = 32 * WARPS;
 
 // dQacc[x], dQacc[x + 1] += (a, b): one vector reduction on sm_90, two before it
 __device__ __forceinline__ void add2(float* x, float a, float b) {
@@ -497,8 +508,13 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               int Nq, int Nk, int left, int right, float scale, int* __restrict__ sem,
               unsigned long long* io) {
     using namespace tc;
-    constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), SDS = BrB + 8;   // dSᵀ row stride (padded)
-    constexpr int THREADS = tcb::THREADS;
+    constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
+    constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
+    constexpr int QN = BrB / 16;         // product 1: n-tiles of 8 queries per warp (BrB/2)
+    constexpr int DN = D / 16;           // product 2: n-tiles of 8 columns per warp (D/2)
+    constexpr int WQ = BrB / 32;         // product 3: warps along the queries (32 each)...
+    constexpr int DQ = D / (tcb::WARPS / WQ) / 8;   // ... and n-tiles of 8 columns per warp
+    static_assert(BrB % 32 == 0 && BrB <= 256 && QN % 2 == 0 && DQ % 2 == 0, "step shape");
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -506,35 +522,47 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     T* sV = sK + Bc * D;                          // Bc·D
     T* sQ = sV + Bc * D;                          // 2 × BrB·D
     T* sdO = sQ + 2 * BrB * D;                    // 2 × BrB·D
-    T* sdS = sdO + 2 * BrB * D;                   // Bc × SDS: dSᵀ, keys × queries
-    float* sL = reinterpret_cast<float*>(sdS + Bc * SDS);   // 2 × BrB, L·log2(e)
+    T* sP = sdO + 2 * BrB * D;                    // Bc × SPS: Pᵀ, keys × queries
+    T* sdS = sP + Bc * SPS;                       // Bc × SPS: dSᵀ
+    float* sL = reinterpret_cast<float*>(sdS + Bc * SPS);   // 2 × BrB, L·log2(e)
     float* sD = sL + 2 * BrB;                               // 2 × BrB
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
+    const int wk = warp & 3, wh = warp >> 2;      // 32-key group; half (queries in 1, D in 2)
     const int j = blockIdx.x, p = blockIdx.y;
     const int j0 = j * Bc, cols = min(Bc, Nk - j0);
     const long long kv = kv_index[p];
     const Band band{left, right, Nk - Nq};
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, Nq, BrB, &ilo, &ihi);
-    const int k0 = warp * 16 + g, k1 = k0 + 8;    // this thread's two keys (rows of Sᵀ)
-    // per-thread bases of the ldmatrix addresses (swz_base): K_j, V_j rows of this warp's
-    // keys (A operand); Q_i, dO_i as B operands, plain and transposed; K_j transposed
-    // (V_j and dO_i sit a constant distance after K_j and Q_i: their bases are those plus
-    // an immediate, which keeps four registers, not seven)
-    const unsigned kabase = swz_base<D>(sK, warp * 16 + (lane & 15), lane >> 4);
-    const unsigned qbbase = swz_base<D>(sQ, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-    const unsigned qtbase = swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-    const unsigned ktbase = swz_base<D>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-    constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2;   // bytes
+    const int k0 = wk * 32 + g;                   // this thread's keys: k0 + {0, 8, 16, 24}
+    // per-thread bases of the ldmatrix addresses (swz_base, or plain for the padded Pᵀ
+    // and dSᵀ). Offsets a warp adds at run time (its key group, its half) go into the
+    // base once; swz_step(swz_step(b, k0), k) = swz_step(b, k0 + k) holds because k0 is a
+    // multiple of a power of two above every k added later.
+    //   1: K_j, V_j rows of the warp's keys (A); Q_i, dO_i rows of its queries (B)
+    //   2: Pᵀ, dSᵀ rows of its keys (A); dO_i, Q_i transposed, its columns (B)
+    //   3: dSᵀ transposed, its queries (A); K_j transposed, its columns (B)
+    // V_j, dO_i and dSᵀ sit a constant distance after K_j, Q_i and Pᵀ: their bases are
+    // those plus an immediate.
+    const unsigned kabase = swz_base<D>(sK, wk * 32 + (lane & 15), lane >> 4);
+    const unsigned qbbase = swz_base<D>(sQ, wh * (BrB / 2) + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const unsigned pabase = smem_addr(sP + (wk * 32 + (lane & 15)) * SPS + ((lane >> 4) << 3));
+    const unsigned qtbase = swz_step(swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), wh * (DN / 2));
+    const int wq = warp % WQ, wd = warp / WQ;     // product 3: 32-query group, column group
+    const unsigned dstbase = smem_addr(sdS + ((lane & 7) + ((lane >> 4) << 3)) * SPS + wq * 32 + (((lane >> 3) & 1) << 3));
+    const unsigned ktbase = swz_step(swz_base<D>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), wd * (DQ / 2));
+    constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2, DS_FROM_P = Bc * SPS * 2;   // bytes
     const bool ragged = cols < Bc;                // keys past Nk in this tile
 
-    float dv[D / 8][4], dk[D / 8][4];
+    float dv[2][DN][4], dk[2][DN][4];             // keys k0 + 16·mt (+8), columns wh·D/2 + 8t
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dv[t][e] = dk[t][e] = 0.f;
+        for (int t = 0; t < DN; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dv[mt][t][e] = dk[mt][t][e] = 0.f;
 
     auto load_q_step = [&](int i, int buf) {
         const int i0 = i * BrB, rows = min(BrB, Nq - i0);
@@ -548,18 +576,12 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             sL[buf * BrB + r] = l == neg_inf<float>() ? -neg_inf<float>() : l * LOG2E;
             sD[buf * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;
         }
-        COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));    // HBM→SRAM: Q_i (Br·d)
-        COUNT_IO(io, IO_dO_R, (long long)rows * D * sizeof(T));   // HBM→SRAM: dO_i (Br·d)
-        COUNT_IO(io, IO_L_R, (long long)rows * 4);                // HBM→SRAM: L_i (Br)
-        COUNT_IO(io, IO_D_R, (long long)rows * 4);                // HBM→SRAM: D_i (Br)
         cp_async_commit();
     };
 
     if (ihi >= ilo) {
         load_tile<T, D, Bc, THREADS>(sK, K + (kv * Nk + j0) * D, cols);
         load_tile<T, D, Bc, THREADS>(sV, V + (kv * Nk + j0) * D, cols);
-        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
-        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
         cp_async_commit();
         load_q_step(ilo, 0);
     }
@@ -567,90 +589,120 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         const int buf = (i - ilo) & 1;
         const int i0 = i * BrB, rows = min(BrB, Nq - i0);
         // once every warp is past this barrier, step i's tiles have landed and no warp
-        // still reads buffer buf ^ 1 (step i − 1) or dSᵀ, so step i + 1 may stream in
+        // still reads buffer buf ^ 1 (step i − 1), Pᵀ or dSᵀ, so step i + 1 may stream in
         cp_async_wait<0>();
         __syncthreads();
         if (i < ihi) load_q_step(i + 1, buf ^ 1);
-        const float* sLb = sL + buf * BrB;
-        const float* sDb = sD + buf * BrB;
 
-        // Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for this warp's 16 keys: n = BrB queries
-        float s[BrB / 8][4], dp[BrB / 8][4];
-#pragma unroll
-        for (int t = 0; t < BrB / 8; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[t][e] = dp[t][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned ka[4], va[4];
-            ldsm_x4(ka, swz_step(kabase, kk));
-            ldsm_x4(va, swz_step(kabase, kk) + V_FROM_K);
-#pragma unroll
-            for (int t = 0; t < BrB / 8; t += 2) {
-                unsigned b[4];
-                ldsm_x4(b, swz_step(qbbase + buf * BrB * D * 2, kk) + t * 8 * D * 2);
-                Mma<T>::run(s[t], ka, b);
-                Mma<T>::run(s[t + 1], ka, b + 2);
-                ldsm_x4(b, swz_step(qbbase + buf * BrB * D * 2, kk) + t * 8 * D * 2 + DO_FROM_Q);
-                Mma<T>::run(dp[t], va, b);
-                Mma<T>::run(dp[t + 1], va, b + 2);
-            }
-        }
-        // Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e); dSᵀ = Pᵀ ∘ (dPᵀ − D). Keys past Nk and pairs
-        // outside the band are zeroed elementwise only in the tiles that have them.
-        const bool partial = ragged
-            || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
-            || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
-        unsigned pa[BrB / 16][4];
-#pragma unroll
-        for (int t = 0; t < BrB / 8; ++t) {
-            const int qc = t * 8 + tig * 2;           // this thread's two queries (columns)
-            const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
-            const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
-            float pv[4], dsv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                pv[e] = ex2(fmaf(s[t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-                if (partial) {
-                    const int key = j0 + (e < 2 ? k0 : k1), q = i0 + qc + (e & 1);
-                    if (key >= Nk || !band.sees(q, key)) pv[e] = 0.f;
-                }
-                dsv[e] = pv[e] * (dp[t][e] - ((e & 1) ? dd.y : dd.x));
-            }
-            pa[t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(pv[0], pv[1]);
-            pa[t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(pv[2], pv[3]);
-            // dSᵀ to shared memory (keys × queries), for dK below and dQ after the barrier
-            *reinterpret_cast<unsigned*>(sdS + k0 * SDS + qc) = Mma<T>::pack(dsv[0], dsv[1]);
-            *reinterpret_cast<unsigned*>(sdS + k1 * SDS + qc) = Mma<T>::pack(dsv[2], dsv[3]);
-        }
-        __syncwarp();                                 // this warp's 16 rows of dSᵀ are written
-        // dV_j += Pᵀ dO_i and dK_j += dSᵀ Q_i: k = queries, n = D (.trans: rows are queries).
-        // Pᵀ stays in registers; dSᵀ is read back with ldmatrix rather than kept, which
-        // frees BrB/4 registers for a longer step
-#pragma unroll
-        for (int kk = 0; kk < BrB / 16; ++kk) {
-            unsigned dsa[4];
-            ldsm_x4(dsa, sdS + (warp * 16 + (lane & 15)) * SDS + kk * 16 + ((lane >> 4) << 3));
-#pragma unroll
-            for (int t = 0; t < D / 8; t += 2) {
-                unsigned b[4];
-                ldsm_x4_t(b, swz_step(qtbase + buf * BrB * D * 2, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
-                Mma<T>::run(dv[t], pa[kk], b);
-                Mma<T>::run(dv[t + 1], pa[kk], b + 2);
-                ldsm_x4_t(b, swz_step(qtbase + buf * BrB * D * 2, t / 2) + kk * 16 * D * 2);
-                Mma<T>::run(dk[t], dsa, b);
-                Mma<T>::run(dk[t + 1], dsa, b + 2);
-            }
-        }
-        __syncthreads();                                      // dSᵀ is complete
-
-        // dQ_i += scale · dS K_j: m = BrB queries over the warps, k = Bc keys, n = D, in
-        // chunks of at most 32 columns per warp (their accumulators live beside dK, dV)
+        // 1. Sᵀ and dPᵀ: m = the warp's 32 keys (2 m-tiles), n = its BrB/2 queries, k = D
         {
-            constexpr int MT = BrB / 16 < tcb::WARPS ? BrB / 16 : tcb::WARPS;
-            constexpr int NSPLIT = tcb::WARPS / MT, NW = D / NSPLIT, MPW = BrB / 16 / MT;
-            constexpr int NC = NW < 32 ? NW : 32;
-            const int mt = warp % MT;
+            float s[2][QN][4], dp[2][QN][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int t = 0; t < QN; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][t][e] = dp[mt][t][e] = 0.f;
+            const unsigned qb = qbbase + buf * BrB * D * 2;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2);
+#pragma unroll
+                for (int t = 0; t < QN; t += 2) {
+                    unsigned b[4];
+                    ldsm_x4(b, swz_step(qb, kk) + t * 8 * D * 2);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        Mma<T>::run(s[mt][t], a[mt], b);
+                        Mma<T>::run(s[mt][t + 1], a[mt], b + 2);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2 + V_FROM_K);
+#pragma unroll
+                for (int t = 0; t < QN; t += 2) {
+                    unsigned b[4];
+                    ldsm_x4(b, swz_step(qb, kk) + t * 8 * D * 2 + DO_FROM_Q);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        Mma<T>::run(dp[mt][t], a[mt], b);
+                        Mma<T>::run(dp[mt][t + 1], a[mt], b + 2);
+                    }
+                }
+            }
+            // Keys past Nk and pairs outside the band are zeroed elementwise only in the
+            // tiles that have them
+            const bool partial = ragged
+                || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
+                || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+            const float* sLb = sL + buf * BrB;
+            const float* sDb = sD + buf * BrB;
+#pragma unroll
+            for (int t = 0; t < QN; ++t) {
+                const int qc = wh * (BrB / 2) + t * 8 + tig * 2;   // this thread's two queries
+                const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    float pv[4], dsv[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                        if (partial) {
+                            const int key = j0 + k0 + mt * 16 + (e < 2 ? 0 : 8), q = i0 + qc + (e & 1);
+                            if (key >= Nk || !band.sees(q, key)) pv[e] = 0.f;
+                        }
+                        dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x));
+                    }
+                    T* pr = sP + (k0 + mt * 16) * SPS + qc;
+                    *reinterpret_cast<unsigned*>(pr) = Mma<T>::pack(pv[0], pv[1]);
+                    *reinterpret_cast<unsigned*>(pr + 8 * SPS) = Mma<T>::pack(pv[2], pv[3]);
+                    *reinterpret_cast<unsigned*>(pr + Bc * SPS) = Mma<T>::pack(dsv[0], dsv[1]);
+                    *reinterpret_cast<unsigned*>(pr + Bc * SPS + 8 * SPS) = Mma<T>::pack(dsv[2], dsv[3]);
+                }
+            }
+        }
+        __syncthreads();                                      // Pᵀ and dSᵀ are complete
+
+        // 2. dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i: m = the warp's 32 keys, n = its D/2
+        //    columns, k = BrB queries (.trans: the rows of dO_i and Q_i are queries)
+        {
+            const unsigned qt = qtbase + buf * BrB * D * 2;
+#pragma unroll
+            for (int kk = 0; kk < BrB / 16; ++kk) {
+                unsigned a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2);
+#pragma unroll
+                for (int t = 0; t < DN; t += 2) {
+                    unsigned b[4];
+                    ldsm_x4_t(b, swz_step(qt, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        Mma<T>::run(dv[mt][t], a[mt], b);
+                        Mma<T>::run(dv[mt][t + 1], a[mt], b + 2);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2 + DS_FROM_P);
+#pragma unroll
+                for (int t = 0; t < DN; t += 2) {
+                    unsigned b[4];
+                    ldsm_x4_t(b, swz_step(qt, t / 2) + kk * 16 * D * 2);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt) {
+                        Mma<T>::run(dk[mt][t], a[mt], b);
+                        Mma<T>::run(dk[mt][t + 1], a[mt], b + 2);
+                    }
+                }
+            }
+        }
+
+        // 3. dQ_i += scale · dS K_j: m = the warp's 32 queries, n = its D/(8/WQ) columns,
+        //    k = Bc keys (.trans: dS from dSᵀ, K_j's rows are keys)
+        {
             const long long q_row = (long long)p * Nq + i0;
             int* turn = sem + ((long long)p * ((Nq + BrB - 1) / BrB) + i);
             int mine = 0;                                     // visiting tiles before j
@@ -658,63 +710,74 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 int jlo, jhi;
                 band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
                 mine = j - jlo;
-                wait_turn(turn, mine);
             }
+            float dq[2][DQ][4];
 #pragma unroll
-            for (int n0 = (warp / MT) * NW; n0 < (warp / MT + 1) * NW; n0 += NC) {
-                float dq[MPW][NC / 8][4];
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-                for (int u = 0; u < MPW; ++u)
+                for (int t = 0; t < DQ; ++t) dq[mt][t][0] = dq[mt][t][1] = dq[mt][t][2] = dq[mt][t][3] = 0.f;
 #pragma unroll
-                    for (int t = 0; t < NC / 8; ++t) dq[u][t][0] = dq[u][t][1] = dq[u][t][2] = dq[u][t][3] = 0.f;
+            for (int kk = 0; kk < Bc / 16; ++kk) {
+                unsigned a[2][4];
 #pragma unroll
-                for (int kk = 0; kk < Bc / 16; ++kk) {
-                    unsigned a[MPW][4];   // dS from dSᵀ (.trans): rows = queries, k = keys
-                    const int kr = kk * 16 + (lane & 7) + ((lane >> 4) << 3);
+                for (int mt = 0; mt < 2; ++mt) ldsm_x4_t(a[mt], dstbase + (kk * 16 * SPS + mt * 16) * 2);
 #pragma unroll
-                    for (int u = 0; u < MPW; ++u)
-                        ldsm_x4_t(a[u], sdS + kr * SDS + (u * MT + mt) * 16 + (((lane >> 3) & 1) << 3));
+                for (int t = 0; t < DQ; t += 2) {
+                    unsigned b[4];
+                    ldsm_x4_t(b, swz_step(ktbase, t / 2) + kk * 16 * D * 2);
 #pragma unroll
-                    for (int t = 0; t < NC / 8; t += 2) {
-                        unsigned b[4];
-                        ldsm_x4_t(b, swz_step(ktbase, (n0 >> 4) + t / 2) + kk * 16 * D * 2);
-#pragma unroll
-                        for (int u = 0; u < MPW; ++u) {
-                            Mma<T>::run(dq[u][t], a[u], b);
-                            Mma<T>::run(dq[u][t + 1], a[u], b + 2);
-                        }
+                    for (int mt = 0; mt < 2; ++mt) {
+                        Mma<T>::run(dq[mt][t], a[mt], b);
+                        Mma<T>::run(dq[mt][t + 1], a[mt], b + 2);
                     }
                 }
+            }
+            if (sem != nullptr) wait_turn(turn, mine);
 #pragma unroll
-                for (int u = 0; u < MPW; ++u) {
-                    const int r0 = (u * MT + mt) * 16 + g, r1 = r0 + 8;
+            for (int mt = 0; mt < 2; ++mt) {
+                const int r0 = wq * 32 + mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
-                    for (int t = 0; t < NC / 8; ++t) {
-                        const int c = n0 + t * 8 + tig * 2;
-                        if (r0 < rows) tcb::add2(dQacc + (q_row + r0) * D + c, scale * dq[u][t][0], scale * dq[u][t][1]);
-                        if (r1 < rows) tcb::add2(dQacc + (q_row + r1) * D + c, scale * dq[u][t][2], scale * dq[u][t][3]);
-                    }
+                for (int t = 0; t < DQ; ++t) {
+                    const int c = wd * DQ * 8 + t * 8 + tig * 2;
+                    if (r0 < rows) tcb::add2(dQacc + (q_row + r0) * D + c, scale * dq[mt][t][0], scale * dq[mt][t][1]);
+                    if (r1 < rows) tcb::add2(dQacc + (q_row + r1) * D + c, scale * dq[mt][t][2], scale * dq[mt][t][3]);
                 }
             }
             if (sem != nullptr) pass_turn(turn, mine);        // tile j + 1 adds next
         }
-        COUNT_IO(io, IO_dQacc_R, (long long)rows * D * 4);        // HBM→SRAM: dQacc_i (Br·d fp32)
-        COUNT_IO(io, IO_dQacc_W, (long long)rows * D * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
+    }
+    // the traffic, counted once after the loop (counter updates inside it would hold
+    // registers): K_j, V_j once, and per visited step i = ilo..ihi (the last cut at Nq)
+    // Q_i, dO_i, L_i, D_i in and dQacc_i in and out
+    if (ihi >= ilo) {
+        const long long q_rows = min(Nq, (ihi + 1) * BrB) - ilo * BrB;
+        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
+        COUNT_IO(io, IO_Q_R, q_rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
+        COUNT_IO(io, IO_dO_R, q_rows * D * sizeof(T));            // HBM→SRAM: dO_i (Br·d)
+        COUNT_IO(io, IO_L_R, q_rows * 4);                         // HBM→SRAM: L_i (Br)
+        COUNT_IO(io, IO_D_R, q_rows * 4);                         // HBM→SRAM: D_i (Br)
+        COUNT_IO(io, IO_dQacc_R, q_rows * D * 4);                 // HBM→SRAM: dQacc_i (Br·d fp32)
+        COUNT_IO(io, IO_dQacc_W, q_rows * D * 4);                 // SRAM→HBM: dQacc_i (Br·d fp32)
     }
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     T* dKj = dK + ((long long)p * Nk + j0) * D;
     T* dVj = dV + ((long long)p * Nk + j0) * D;
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const int c = t * 8 + tig * 2;
-        if (k0 < cols) {
-            *reinterpret_cast<unsigned*>(dKj + (long long)k0 * D + c) = Mma<T>::pack(scale * dk[t][0], scale * dk[t][1]);
-            *reinterpret_cast<unsigned*>(dVj + (long long)k0 * D + c) = Mma<T>::pack(dv[t][0], dv[t][1]);
-        }
-        if (k1 < cols) {
-            *reinterpret_cast<unsigned*>(dKj + (long long)k1 * D + c) = Mma<T>::pack(scale * dk[t][2], scale * dk[t][3]);
-            *reinterpret_cast<unsigned*>(dVj + (long long)k1 * D + c) = Mma<T>::pack(dv[t][2], dv[t][3]);
+    for (int mt = 0; mt < 2; ++mt) {
+        const int r0 = k0 + mt * 16, r1 = r0 + 8;
+#pragma unroll
+        for (int t = 0; t < DN; ++t) {
+            const int c = wh * (D / 2) + t * 8 + tig * 2;
+            if (r0 < cols) {
+                *reinterpret_cast<unsigned*>(dKj + (long long)r0 * D + c) = Mma<T>::pack(scale * dk[mt][t][0], scale * dk[mt][t][1]);
+                *reinterpret_cast<unsigned*>(dVj + (long long)r0 * D + c) = Mma<T>::pack(dv[mt][t][0], dv[mt][t][1]);
+            }
+            if (r1 < cols) {
+                *reinterpret_cast<unsigned*>(dKj + (long long)r1 * D + c) = Mma<T>::pack(scale * dk[mt][t][2], scale * dk[mt][t][3]);
+                *reinterpret_cast<unsigned*>(dVj + (long long)r1 * D + c) = Mma<T>::pack(dv[mt][t][2], dv[mt][t][3]);
+            }
         }
     }
     COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)

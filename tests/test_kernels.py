@@ -38,12 +38,9 @@ def test_every_kernel_compiles_without_spills(arch):
     assert len(expected) == 2 * (4 * 4 + 3 * 4)    # reference: 4 kernels × 4 dtypes; tc: 3 × 2 × 2
     assert {(r.kernel, r.dtype, r.D, r.instrumented) for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
-    # the shipped (fast) build never touches local memory; the instrumented build is for
-    # counting bytes, not for timing, and its counter updates may push a tile shape tuned
-    # to the 255-register limit into a few spilled registers
-    fast = [r for r in rows if not r.instrumented]
-    assert all(r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 for r in fast)
-    assert all(r.spill_stores <= 64 for r in rows if r.instrumented)
+    # neither build touches local memory: the instrumented kernels count their traffic
+    # where registers are free, so the counters cost no spill either
+    assert all(r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 for r in rows)
 
 
 def test_build_rejects_a_bad_arch():
