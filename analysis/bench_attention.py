@@ -83,6 +83,8 @@ def main(argv=None):
                     help="redraw bench.png from a saved bench.json (no GPU needed)")
     ap.add_argument("--ref-max-n", type=int, default=1024,
                     help="time the reference kernels (about 1 TFLOP/s) only up to this N")
+    ap.add_argument("--ns", default=None, help="sequence lengths N to time, comma-separated "
+                    "(default: 512 to 16384)")
     ap.add_argument("--only", default=None, help="implementations to time, comma-separated "
                     "(default: all)")
     a = ap.parse_args(argv)
@@ -105,6 +107,8 @@ def main(argv=None):
     dev = cp.cuda.runtime.getDeviceProperties(0)
     gpu = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
     Ns = [1024, 4096, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    if a.ns:
+        Ns = [int(x) for x in a.ns.split(",")]
     dtypes = ["float16"] if a.quick else ["float16", "bfloat16"]
     rows = []
     rng = np.random.default_rng(0)
