@@ -22,10 +22,11 @@ import _common as C  # noqa: E402  (puts the repository root on sys.path)
 import flashsim as fs  # noqa: E402
 from flashsim.hardware import PRESETS  # noqa: E402
 
-# forward tiles whose HBM count is plotted: ours, and FlashAttention-2's fp16 forward
-# kernels (128×64 at d = 64 and d = 128); cuDNN's tiling is not public
-TILES = {"flashsim-tc": {64: (64, 64), 128: (128, 64)}, "flashsim-ref": {64: (64, 64), 128: (64, 64)},
-         "sdpa-flash": {64: (128, 64), 128: (128, 64)}}
+# forward tiles whose HBM count is plotted: ours, and FlashAttention-2's sm80 forward
+# kernels (128×128 at d = 64, 128×64 at d = 128, its run_mha_fwd_hdim64/128 choices
+# without dropout); cuDNN's tiling is not public
+TILES = {"flashsim-tc": dict(fs.kernels.TC_BLOCKS), "flashsim-ref": {64: (64, 64), 128: (64, 64)},
+         "sdpa-flash": {64: (128, 128), 128: (128, 64)}}
 
 
 def gpu_preset(name: str):

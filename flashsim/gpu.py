@@ -24,8 +24,10 @@ that as a `flashsim.Traffic`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
+import struct
 import weakref
 
 import numpy as np
@@ -112,7 +114,7 @@ def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
     """The tensor-core kernel's (Br, Bc) for head dim d on the current device."""
     if backward:
         return K.tc_bwd_blocks(d, _cc_major(_cupy().cuda.Device().id))
-    return K.TC_BLOCKS[d]
+    return K.tc_blocks(d, _cc_major(_cupy().cuda.Device().id))
 
 
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
@@ -395,7 +397,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "tc" the tensor-core kernel (float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
+    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
     "auto" (default): "tc" whenever it supports the inputs.
     """
     if not count_io and block_sizes is None and kernel in ("auto", "tc"):
@@ -410,32 +412,53 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
 # -- the common case without the general path's Python: PyTorch (B, H, N, d) tensors ----
 
 _PLANS: dict = {}        # (shapes, dtype, causal, scale, device) -> launch plan
-_STREAMS: dict = {}      # (device, raw stream) -> CuPy stream object
 
 
 def _torch_forward(q, k, v, causal, scale):
     """The tensor-core forward for contiguous CUDA tensors (B, H, Nq, d) and (B, Hk, Nk, d)
     with Hk dividing H, float16/bfloat16, d ∈ TC_HEAD_DIMS: outputs allocated by PyTorch,
-    pointers passed straight to the kernel, the launch plan cached per shape. The general
-    path costs ~0.1 ms of Python per call, a third of the kernel's time at N = 1k.
-    Returns None for anything else (the general path then checks and runs it)."""
+    pointers passed straight to cuLaunchKernel, the launch plan cached per shape. The
+    general path costs ~0.1 ms of Python per call, a third of the kernel's time at
+    N = 1k. Returns None for anything else (the general path then checks and runs it)."""
     if not _fast_inputs(q, k, v, causal, scale):
         return None
     plan = _torch_forward_plan(q, k, v, causal, scale)
     if plan is None:
         return None
     import torch
-    kern, grid, threads, smem, kv_index, tail, cp = plan
-    B, H, Nq, _ = q.shape
-    O = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    L = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    O = torch.empty_like(q)
+    L = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     dev = q.device.index
-    u64 = np.uint64
-    with cp.cuda.Device(dev), _torch_stream(cp, dev):
-        kern(grid, (threads,), (u64(q.data_ptr()), u64(k.data_ptr()), u64(v.data_ptr()),
-                                kv_index, u64(O.data_ptr()), u64(L.data_ptr())) + tail,
-             shared_mem=smem)
+    with plan.cp.cuda.Device(dev):
+        plan.fwd(plan.grid, plan.threads, plan.smem, torch._C._cuda_getCurrentRawStream(dev),
+                 q.data_ptr(), k.data_ptr(), v.data_ptr(), plan.kv_index, O.data_ptr(),
+                 L.data_ptr(), *plan.tail)
     return O, L
+
+
+class _Launcher:
+    """cuLaunchKernel with the arguments packed into one buffer (CU_LAUNCH_PARAM_BUFFER_*):
+    ~3 µs of Python per launch where a CuPy kernel call takes ~10, which is 1–2% of the
+    kernel's time at N = 2k. ``fmt`` is the kernel's parameter list as a struct format,
+    with the padding the C ABI puts between parameters spelled out."""
+
+    def __init__(self, kernel, fmt: str):
+        self.fptr = kernel.kernel.ptr
+        self.fmt = struct.Struct("=" + fmt)
+        self.size = ctypes.c_size_t(self.fmt.size)
+        self.launch = _cupy().cuda.driver.launchKernel
+
+    def __call__(self, grid, threads: int, smem: int, stream: int, *args):
+        buf = ctypes.create_string_buffer(self.fmt.pack(*args), self.fmt.size)
+        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(self.size), 0)
+        self.launch(self.fptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, 0,
+                    ctypes.addressof(extra))
+
+
+class _Plan:
+    """What the fast paths launch for one set of shapes (see _plan_torch_forward)."""
+    __slots__ = ("cp", "fwd", "grid", "threads", "smem", "kv", "kv_index", "tail",
+                 "lse_shape", "scale", "left", "right", "io", "bwd")
 
 
 def _fast_inputs(q, k, v, causal, scale) -> bool:
@@ -469,22 +492,11 @@ def _torch_forward_plan(q, k, v, causal, scale):
     return plan
 
 
-def _torch_stream(cp, dev: int):
-    """PyTorch's current stream on device dev, as a CuPy stream (cached per stream)."""
-    import torch
-    raw = torch._C._cuda_getCurrentRawStream(dev)
-    stream = _STREAMS.get((dev, raw))
-    if stream is None:
-        stream = _STREAMS[dev, raw] = cp.cuda.Stream.from_external(_StreamHandle(raw))
-    return stream
-
-
 def _plan_torch_forward(q, k, v, causal, scale):
     """What the fast path launches for these shapes, or False where it does not apply."""
     import torch
     dtypes = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    if (q.dtype not in dtypes or not hasattr(torch._C, "_cuda_getCurrentRawStream")
-            or not hasattr(_cupy().cuda.Stream, "from_external")):
+    if q.dtype not in dtypes or not hasattr(torch._C, "_cuda_getCurrentRawStream"):
         return False
     B, H, Nq, d = q.shape
     Bk, Hk, Nk, dk = k.shape
@@ -493,21 +505,29 @@ def _plan_torch_forward(q, k, v, causal, scale):
         return False
     cp = _cupy()
     dtype = dtypes[q.dtype]
+    plan = _Plan()
     with cp.cuda.Device(q.device.index):
         Br, Bc = _tc_tiles(d, False)
-        smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, d, d, dtype)
+        plan.smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, d, d, dtype)
         kern = _kernel("flash2_fwd_tc", dtype, False, d)
-        if smem > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = smem
+        if plan.smem > 48 * 1024:
+            kern.max_dynamic_shared_size_bytes = plan.smem
+        # (Q, K, V, kv_index, O, L, Nq, Nk, left, right, scale·log2e, io)
+        plan.fwd = _Launcher(kern, "6Q4if4xQ")
         # query problem (b, h) reads K/V problem (b, h // (H / Hk)): GQA groups
-        kv_index = cp.asarray((np.arange(B)[:, None] * Hk
-                               + np.arange(H)[None, :] // (H // Hk)).astype(np.int32).ravel())
-        left, right = _band(causal)
-        s = check_scale(scale, d)
-        tail = (np.int32(Nq), np.int32(Nk), np.int32(left), np.int32(right),
-                np.float32(s * math.log2(math.e)), _unused_counters(q.device.index))
-        threads = K.tc_threads(d, _cc_major(q.device.index))
-    return kern, (-(-Nq // Br), B * H), threads, smem, kv_index, tail, cp
+        kv = cp.asarray((np.arange(B)[:, None] * Hk
+                         + np.arange(H)[None, :] // (H // Hk)).astype(np.int32).ravel())
+        plan.kv, plan.kv_index = kv, kv.data.ptr       # the array, kept alive, and its address
+        plan.left, plan.right = _band(causal)
+        plan.scale = check_scale(scale, d)
+        plan.io = _unused_counters(q.device.index).data.ptr
+        plan.tail = (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e), plan.io)
+        plan.threads = K.tc_threads(d, _cc_major(q.device.index))
+        plan.grid = (-(-Nq // Br), B * H)
+        plan.lse_shape = (B, H, Nq)
+        plan.cp = cp
+        plan.bwd = None                                 # made by the first backward call
+    return plan
 
 
 def _torch_backward(q, k, v, out, lse, dout, causal, scale):
@@ -528,36 +548,49 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
     plan = _torch_forward_plan(q, k, v, causal, scale)     # shapes, dtype, K/V index
     if plan is None:
         return None
-    kv_index, tail, cp = plan[4], plan[5], plan[6]
+    bwd = plan.bwd or _plan_torch_backward(plan, q, k)
+    B, H, Nq, d = q.shape
+    f32 = dict(dtype=torch.float32, device=q.device)
+    D, dQacc = torch.empty((B * H, Nq), **f32), torch.empty((B * H, Nq, d), **f32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dev = q.device.index
+    pre, main, post = bwd
+    with plan.cp.cuda.Device(dev):
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        pre[0](pre[1], pre[2], pre[3], stream, out.data_ptr(), dout.data_ptr(), D.data_ptr(),
+               dQacc.data_ptr(), Nq, plan.io)
+        main[0](main[1], main[2], main[3], stream, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                plan.kv_index, dout.data_ptr(), lse.data_ptr(), D.data_ptr(), dQacc.data_ptr(),
+                dk.data_ptr(), dv.data_ptr(), *main[4])
+        post[0](post[1], post[2], post[3], stream, dQacc.data_ptr(), dq.data_ptr(), *post[4])
+    return dq, dk, dv
+
+
+def _plan_torch_backward(plan, q, k):
+    """The backward's three launches for the shapes of a forward plan: (launcher, grid,
+    threads, shared memory[, the arguments after the pointers])."""
+    import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
     P, dtype = B * H, ("float16" if q.dtype == torch.float16 else "bfloat16")
-    dev = q.device.index
-    Br, Bc = _tc_tiles(d, True)
-    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    D, dQacc = torch.empty((P, Nq), **f32), torch.empty((P, Nq, d), **f32)
-    dq, dk, dv = (torch.empty(x.shape, dtype=q.dtype, device=q.device) for x in (q, k, v))
-    i32, u64 = np.int32, np.uint64
-    ptr = {n: u64(x.data_ptr()) for n, x in
-           (("q", q), ("k", k), ("v", v), ("o", out), ("l", lse), ("do", dout), ("D", D),
-            ("acc", dQacc), ("dq", dq), ("dk", dk), ("dv", dv))}
-    io = tail[-1]
-    smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, d, dtype)
-    left, right = _band(causal)
-    with cp.cuda.Device(dev), _torch_stream(cp, dev):
+    cp = plan.cp
+    with cp.cuda.Device(q.device.index):
+        Br, Bc = _tc_tiles(d, True)
+        smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, d, dtype)
         main = _kernel("flash2_bwd_tc", dtype, False, d)
-        _launch(cp, _kernel("flash2_bwd_preprocess_tc", dtype, False, d),
-                (-(-Nq // K.TC_PRE_BR), P), 0,
-                (ptr["o"], ptr["do"], ptr["D"], ptr["acc"], i32(Nq), io),
-                threads=K.TC_PRE_THREADS)
-        _launch(cp, main, (Tc, P), smem,
-                (ptr["q"], ptr["k"], ptr["v"], kv_index, ptr["do"], ptr["l"], ptr["D"],
-                 ptr["acc"], ptr["dk"], ptr["dv"], i32(Nq), i32(Nk), i32(left), i32(right),
-                 np.float32(check_scale(scale, d)), u64(0), io), threads=K.TC_BWD_THREADS)
-        _launch(cp, _kernel("flash2_bwd_postprocess", dtype, False), (Tr, P), 0,
-                (ptr["acc"], ptr["dq"], i32(Nq), i32(d), i32(Br), io))
-    return dq, dk, dv
+        if smem > 48 * 1024:
+            main.max_dynamic_shared_size_bytes = smem
+        # (O, dO, D, dQacc, Nq, io)
+        pre = (_Launcher(_kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ"),
+               (-(-Nq // K.TC_PRE_BR), P), K.TC_PRE_THREADS, 0)
+        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV, Nq, Nk, left, right, scale, sem, io)
+        main = (_Launcher(main, "10Q4if4xQQ"), (-(-Nk // Bc), P), K.TC_BWD_THREADS, smem,
+                (Nq, Nk, plan.left, plan.right, plan.scale, 0, plan.io))
+        # (dQacc, dQ, Nq, d, Br, io)
+        post = (_Launcher(_kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ"),
+                (-(-Nq // Br), P), THREADS, 0, (Nq, d, Br, plan.io))
+    plan.bwd = (pre, main, post)
+    return plan.bwd
 
 
 def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):

@@ -33,13 +33,19 @@ TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIMS = (64, 128)
 # forward (Br, Bc) per head dim: 4 warps of two 16-row m-tiles (kernels_cu/NOTES.md); on
 # Ampere (sm_8x) d = 128 runs the same tile as 8 warps of one m-tile (fewer registers)
-TC_BLOCKS = {64: (128, 64), 128: (128, 64)}
+TC_BLOCKS = {64: (128, 128), 128: (128, 64)}
+TC_BLOCKS_AMPERE = {64: (128, 64), 128: (128, 64)}   # 128 keys at d = 64 spill on sm_80
 TC_THREADS = {64: 128, 128: 128}
 TC_THREADS_AMPERE = {64: 128, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps; on Ampere
 # the steps are half as long (d = 128: registers; d = 64: an A100's shared memory)
 TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
+
+
+def tc_blocks(d: int, cc_major: int) -> tuple[int, int]:
+    """(Br, Bc) of the tensor-core forward on a device of this compute capability."""
+    return (TC_BLOCKS_AMPERE if cc_major < 9 else TC_BLOCKS)[d]
 
 
 def tc_threads(d: int, cc_major: int) -> int:

@@ -3,14 +3,16 @@
 //
 // Kernels in this file, each a rung over the reference:
 //   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
-//                        tiles Br × Bc = 128 × 64. Adds over flash2_fwd (the reference):
+//                        tiles Br × Bc = 128 × 128 (D = 64), 128 × 64 (D = 128; and on
+//                        Ampere at D = 64). Adds over
+//                        flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
 //                          and O += P V, so it also runs on Ampere;
 //                        - warps split along Q (32 rows each, two 16-row m-tiles): each
 //                          warp owns whole rows of S, so the softmax needs no inter-warp
 //                          reduction;
-//                        - Q_i on chip for the whole loop (registers at D = 64, shared
-//                          memory at D = 128); P goes from the S accumulators to the A
+//                        - Q_i on chip for the whole loop (shared memory; registers on
+//                          Ampere); P goes from the S accumulators to the A
 //                          operand of the second MMA without shared memory (the m16n8 C
 //                          layout is the m16n8k16 A layout);
 //                        - ldmatrix (.trans for V) from XOR-swizzled shared memory: no
@@ -30,14 +32,15 @@ namespace tc {
 // Tile shape: WARPS warps of MT·16 query rows each, Bc keys per K/V tile. The defaults
 // are the shipped configuration (flashsim/kernels.py's TC_BLOCKS); the macros exist for
 // analysis/tune_tc.py, which builds and times variants side by side.
-// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps × 2 m-tiles (Br = 128),
-// Bc = 64; Q_i in registers at D = 64, re-read from shared memory at D = 128 (where
-// registers hold only the two m-tiles' O); no spills.
+// Shipped (tuned on an H100, kernels_cu/NOTES.md): 4 warps × 2 m-tiles (Br = 128);
+// Bc = 128 at D = 64, 64 at D = 128; Q_i re-read from shared memory at every k-step (at
+// D = 128 registers hold only the two m-tiles' O; at D = 64 the 128-key S does); no
+// spills. Ampere keeps Bc = 64 with Q_i in registers (below).
 #ifndef FLASHSIM_TC_WARPS
 #define FLASHSIM_TC_WARPS 0
 #endif
 #ifndef FLASHSIM_TC_BC
-#define FLASHSIM_TC_BC 64
+#define FLASHSIM_TC_BC 0
 #endif
 #ifndef FLASHSIM_TC_MINBLOCKS
 #define FLASHSIM_TC_MINBLOCKS 1
@@ -64,7 +67,7 @@ template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC
 #ifndef FLASHSIM_TC_QREG
 #define FLASHSIM_TC_QREG -1
 #endif
-template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : (D == 64 || ampere128<D>()); }
+template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : FLASHSIM_TC_AMPERE; }
 // where the next K/V tile's loads are issued: at the top of the iteration, before the
 // barrier (0), or after the softmax, when S's registers are free and one barrier per
 // iteration suffices (1, shipped: +8% at D = 128, +1% at D = 64); -1 = the default
@@ -72,7 +75,10 @@ template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_
 #define FLASHSIM_TC_LATE -1
 #endif
 template <int D> __host__ __device__ constexpr bool late() { return FLASHSIM_TC_LATE >= 0 ? FLASHSIM_TC_LATE : true; }
-constexpr int Bc = FLASHSIM_TC_BC;
+// keys per K/V tile: 128 at D = 64 on sm_90 (+4–7% over 64 on an H100, NOTES.md v5), 64
+// at D = 128 (a 128-key S does not fit beside O in 255 registers) and on Ampere (whose
+// ptxas spills the 128-key tile's instrumented build)
+template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : (D == 64 && !FLASHSIM_TC_AMPERE ? 128 : 64); }
 
 // mma.sync reads only its registers, so it need not be `asm volatile`: without it the
 // compiler may interleave one m-tile's MMAs with the other's softmax. The macro keeps
@@ -208,7 +214,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     using namespace tc;
     // each warp owns MT m-tiles of 16 query rows: every K/V fragment it loads feeds MT MMAs
     constexpr int MT = mtiles<D>(), RW = 16 * MT;
-    constexpr int Br = RW * warps<D>(), THREADS = 32 * warps<D>();
+    constexpr int Br = RW * warps<D>(), THREADS = 32 * warps<D>(), Bc = bc<D>();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·D
     T* sK = sQ + Br * D;                             // 2 buffers of Bc·D
