@@ -118,9 +118,14 @@ def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
 
 
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
-    return (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS
-            and (block_sizes is None
-                 or tuple(block_sizes) == _tc_tiles(shape.d, backward)))
+    if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS):
+        return False
+    tiles = _tc_tiles(shape.d, backward)
+    # the tiles must fit the device's shared memory (not so on GPUs with 99 KB per block)
+    need = K.smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, shape.d,
+                        shape.dv, dtype)
+    return (block_sizes is None or tuple(block_sizes) == tiles) and need <= _smem_limit_on(
+        _cupy().cuda.Device().id)
 
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False) -> str:
@@ -134,7 +139,8 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
     if kernel == "tc":
         raise ValueError(
             f"the tensor-core kernel runs float16/bfloat16 with d = dv in {K.TC_HEAD_DIMS} "
-            f"and its own tiles (fs.gpu.block_sizes(q, v, kernel='tc')); got {dtype}, "
+            f"and its own tiles (fs.gpu.block_sizes(q, v, kernel='tc')), which must fit "
+            f"the device's shared memory ({smem_limit()} bytes here); got {dtype}, "
             f"d={shape.d}, dv={shape.dv}, "
             f"block_sizes={block_sizes}. Use kernel='ref' or 'auto'.")
     return "ref"
@@ -142,8 +148,12 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
 
 def smem_limit() -> int:
     """Largest dynamic shared memory one CTA may opt in to on the current device."""
-    cp = _cupy()
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return _smem_limit_on(_cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit_on(device: int) -> int:
+    props = _cupy().cuda.runtime.getDeviceProperties(device)
     return int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
 
 
@@ -509,6 +519,8 @@ def _plan_torch_forward(q, k, v, causal, scale):
     with cp.cuda.Device(q.device.index):
         Br, Bc = _tc_tiles(d, False)
         plan.smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, d, d, dtype)
+        if plan.smem > smem_limit():
+            return False                                # the general path picks "ref"
         kern = _kernel("flash2_fwd_tc", dtype, False, d)
         if plan.smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = plan.smem
@@ -548,7 +560,9 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
     plan = _torch_forward_plan(q, k, v, causal, scale)     # shapes, dtype, K/V index
     if plan is None:
         return None
-    bwd = plan.bwd or _plan_torch_backward(plan, q, k)
+    bwd = plan.bwd if plan.bwd is not None else _plan_torch_backward(plan, q, k)
+    if bwd is False:                # its tiles do not fit here: the general path picks "ref"
+        return None
     B, H, Nq, d = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     D, dQacc = torch.empty((B * H, Nq), **f32), torch.empty((B * H, Nq, d), **f32)
@@ -568,7 +582,8 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
 
 def _plan_torch_backward(plan, q, k):
     """The backward's three launches for the shapes of a forward plan: (launcher, grid,
-    threads, shared memory[, the arguments after the pointers])."""
+    threads, shared memory[, the arguments after the pointers]), or False where its tiles
+    do not fit the device's shared memory."""
     import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
@@ -577,6 +592,9 @@ def _plan_torch_backward(plan, q, k):
     with cp.cuda.Device(q.device.index):
         Br, Bc = _tc_tiles(d, True)
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, d, dtype)
+        if smem > smem_limit():
+            plan.bwd = False
+            return False
         main = _kernel("flash2_bwd_tc", dtype, False, d)
         if smem > 48 * 1024:
             main.max_dynamic_shared_size_bytes = smem

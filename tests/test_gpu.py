@@ -496,3 +496,32 @@ def test_odd_shapes(poisoned, Nq, Nk, d, dtype, causal):
                                      io_dtype=dtype)
         assert grads[3] == sim_b.traffic
         assert all(np.isfinite(host(x)).all() for x in grads[:3])
+
+
+@pytest.mark.parametrize("torch_in", [False, True])
+def test_tiles_that_do_not_fit_fall_back_to_the_reference(monkeypatch, torch_in):
+    """On a device with less shared memory per block than the tensor-core tiles need
+    (64 KB here, by pretence), "auto" runs the reference kernel, the fast path included,
+    and kernel="tc" says why it cannot run."""
+    if torch_in and not HAVE_TORCH:
+        pytest.skip("PyTorch with CUDA not installed")
+    monkeypatch.setattr(fs.gpu, "_smem_limit_on", lambda device: 64 * 1024)
+    rng = np.random.default_rng(12)
+    shapes = [(1, 2, 97 + torch_in, 128)] * 4      # a shape no other test has planned
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float16) for s in shapes)
+    if torch_in:
+        q, k, v, dout = (torch.from_numpy(x).cuda() for x in (q, k, v, dout))
+    else:
+        import cupy as cp
+        q, k, v, dout = (cp.asarray(x) for x in (q, k, v, dout))
+    with pytest.raises(ValueError, match="shared memory"):
+        fs.gpu.attention(q, k, v, kernel="tc")
+    out, lse = fs.gpu.attention(q, k, v)
+    ref, ref_lse = fs.gpu.attention(q, k, v, kernel="ref")
+    assert np.array_equal(host(out), host(ref)) and np.array_equal(host(lse), host(ref_lse))
+    with pytest.raises(ValueError, match="shared memory"):
+        fs.gpu.attention_backward(q, k, v, out, lse, dout, kernel="tc")
+    got = fs.gpu.attention_backward(q, k, v, out, lse, dout)
+    want = fs.gpu.attention_backward(q, k, v, out, lse, dout, kernel="ref")
+    for a, b in zip(got[1:], want[1:]):              # dK, dV: no atomics, the same bits
+        assert np.array_equal(host(a), host(b))
