@@ -407,8 +407,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "tc" the tensor-core kernel (float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256, any tiles), or
-    "auto" (default): "tc" whenever it supports the inputs.
+    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any
+    dtype, d, dv ≤ 256, any tiles), or "auto" (default): "tc" whenever it supports the
+    inputs and its tiles fit the device's shared memory.
     """
     if not count_io and block_sizes is None and kernel in ("auto", "tc"):
         fast = _torch_forward(q, k, v, causal, scale)
@@ -440,9 +441,8 @@ def _torch_forward(q, k, v, causal, scale):
     L = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     dev = q.device.index
     with plan.cp.cuda.Device(dev):
-        plan.fwd(plan.grid, plan.threads, plan.smem, torch._C._cuda_getCurrentRawStream(dev),
-                 q.data_ptr(), k.data_ptr(), v.data_ptr(), plan.kv_index, O.data_ptr(),
-                 L.data_ptr(), *plan.tail)
+        plan.fwd(torch._C._cuda_getCurrentRawStream(dev), q.data_ptr(), k.data_ptr(),
+                 v.data_ptr(), plan.kv_index, O.data_ptr(), L.data_ptr())
     return O, L
 
 
@@ -450,25 +450,27 @@ class _Launcher:
     """cuLaunchKernel with the arguments packed into one buffer (CU_LAUNCH_PARAM_BUFFER_*):
     ~3 µs of Python per launch where a CuPy kernel call takes ~10, which is 1–2% of the
     kernel's time at N = 2k. ``fmt`` is the kernel's parameter list as a struct format,
-    with the padding the C ABI puts between parameters spelled out."""
+    with the padding the C ABI puts between parameters spelled out; a call passes the
+    stream and the leading pointers, ``tail`` the parameters fixed for the plan."""
 
-    def __init__(self, kernel, fmt: str):
+    def __init__(self, kernel, fmt: str, grid, threads: int, smem: int, tail=()):
         self.fptr = kernel.kernel.ptr
         self.fmt = struct.Struct("=" + fmt)
         self.size = ctypes.c_size_t(self.fmt.size)
+        self.grid, self.threads, self.smem, self.tail = grid, threads, smem, tuple(tail)
         self.launch = _cupy().cuda.driver.launchKernel
 
-    def __call__(self, grid, threads: int, smem: int, stream: int, *args):
-        buf = ctypes.create_string_buffer(self.fmt.pack(*args), self.fmt.size)
+    def __call__(self, stream: int, *pointers):
+        buf = ctypes.create_string_buffer(self.fmt.pack(*pointers, *self.tail), self.fmt.size)
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(self.size), 0)
-        self.launch(self.fptr, grid[0], grid[1], 1, threads, 1, 1, smem, stream, 0,
-                    ctypes.addressof(extra))
+        self.launch(self.fptr, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem,
+                    stream, 0, ctypes.addressof(extra))
 
 
 class _Plan:
     """What the fast paths launch for one set of shapes (see _plan_torch_forward)."""
-    __slots__ = ("cp", "fwd", "grid", "threads", "smem", "kv", "kv_index", "tail",
-                 "lse_shape", "scale", "left", "right", "io", "bwd")
+    __slots__ = ("cp", "fwd", "kv", "kv_index", "lse_shape", "scale", "left", "right", "io",
+                 "bwd")
 
 
 def _fast_inputs(q, k, v, causal, scale) -> bool:
@@ -518,14 +520,12 @@ def _plan_torch_forward(q, k, v, causal, scale):
     plan = _Plan()
     with cp.cuda.Device(q.device.index):
         Br, Bc = _tc_tiles(d, False)
-        plan.smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, d, d, dtype)
-        if plan.smem > smem_limit():
+        smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, d, d, dtype)
+        if smem > smem_limit():
             return False                                # the general path picks "ref"
         kern = _kernel("flash2_fwd_tc", dtype, False, d)
-        if plan.smem > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = plan.smem
-        # (Q, K, V, kv_index, O, L, Nq, Nk, left, right, scale·log2e, io)
-        plan.fwd = _Launcher(kern, "6Q4if4xQ")
+        if smem > 48 * 1024:
+            kern.max_dynamic_shared_size_bytes = smem
         # query problem (b, h) reads K/V problem (b, h // (H / Hk)): GQA groups
         kv = cp.asarray((np.arange(B)[:, None] * Hk
                          + np.arange(H)[None, :] // (H // Hk)).astype(np.int32).ravel())
@@ -533,9 +533,11 @@ def _plan_torch_forward(q, k, v, causal, scale):
         plan.left, plan.right = _band(causal)
         plan.scale = check_scale(scale, d)
         plan.io = _unused_counters(q.device.index).data.ptr
-        plan.tail = (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e), plan.io)
-        plan.threads = K.tc_threads(d, _cc_major(q.device.index))
-        plan.grid = (-(-Nq // Br), B * H)
+        # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, io)
+        plan.fwd = _Launcher(kern, "6Q4if4xQ", (-(-Nq // Br), B * H),
+                             K.tc_threads(d, _cc_major(q.device.index)), smem,
+                             (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e),
+                              plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
         plan.bwd = None                                 # made by the first backward call
@@ -571,19 +573,16 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
     pre, main, post = bwd
     with plan.cp.cuda.Device(dev):
         stream = torch._C._cuda_getCurrentRawStream(dev)
-        pre[0](pre[1], pre[2], pre[3], stream, out.data_ptr(), dout.data_ptr(), D.data_ptr(),
-               dQacc.data_ptr(), Nq, plan.io)
-        main[0](main[1], main[2], main[3], stream, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                plan.kv_index, dout.data_ptr(), lse.data_ptr(), D.data_ptr(), dQacc.data_ptr(),
-                dk.data_ptr(), dv.data_ptr(), *main[4])
-        post[0](post[1], post[2], post[3], stream, dQacc.data_ptr(), dq.data_ptr(), *post[4])
+        pre(stream, out.data_ptr(), dout.data_ptr(), D.data_ptr(), dQacc.data_ptr())
+        main(stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), plan.kv_index, dout.data_ptr(),
+             lse.data_ptr(), D.data_ptr(), dQacc.data_ptr(), dk.data_ptr(), dv.data_ptr())
+        post(stream, dQacc.data_ptr(), dq.data_ptr())
     return dq, dk, dv
 
 
 def _plan_torch_backward(plan, q, k):
-    """The backward's three launches for the shapes of a forward plan: (launcher, grid,
-    threads, shared memory[, the arguments after the pointers]), or False where its tiles
-    do not fit the device's shared memory."""
+    """The backward's three launchers (pre-pass, main loop, post-pass) for the shapes of a
+    forward plan, or False where its tiles do not fit the device's shared memory."""
     import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
@@ -598,15 +597,15 @@ def _plan_torch_backward(plan, q, k):
         main = _kernel("flash2_bwd_tc", dtype, False, d)
         if smem > 48 * 1024:
             main.max_dynamic_shared_size_bytes = smem
-        # (O, dO, D, dQacc, Nq, io)
-        pre = (_Launcher(_kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ"),
-               (-(-Nq // K.TC_PRE_BR), P), K.TC_PRE_THREADS, 0)
-        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV, Nq, Nk, left, right, scale, sem, io)
-        main = (_Launcher(main, "10Q4if4xQQ"), (-(-Nk // Bc), P), K.TC_BWD_THREADS, smem,
-                (Nq, Nk, plan.left, plan.right, plan.scale, 0, plan.io))
-        # (dQacc, dQ, Nq, d, Br, io)
-        post = (_Launcher(_kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ"),
-                (-(-Nq // Br), P), THREADS, 0, (Nq, d, Br, plan.io))
+        # (O, dO, D, dQacc | Nq, io)
+        pre = _Launcher(_kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ",
+                        (-(-Nq // K.TC_PRE_BR), P), K.TC_PRE_THREADS, 0, (Nq, plan.io))
+        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, sem, io)
+        main = _Launcher(main, "10Q4if4xQQ", (-(-Nk // Bc), P), K.TC_BWD_THREADS, smem,
+                         (Nq, Nk, plan.left, plan.right, plan.scale, 0, plan.io))
+        # (dQacc, dQ | Nq, d, Br, io)
+        post = _Launcher(_kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ",
+                         (-(-Nq // Br), P), THREADS, 0, (Nq, d, Br, plan.io))
     plan.bwd = (pre, main, post)
     return plan.bwd
 
