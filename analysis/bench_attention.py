@@ -3,8 +3,8 @@
     python3 analysis/bench_attention.py [--quick] [--out analysis/out/bench]
 
 Times, with CUDA events after warm-up (median of --reps, the implementations taking
-turns rep by rep), on inputs several times the
-L2 size: flashsim's kernels (`fs.gpu`), a dense CuPy attention (matmul, softmax,
+turns rep by rep, each timed call after ~10 ms of untimed calls of its own so that it
+does not inherit its neighbour's clocks), on inputs several times the L2 size: flashsim's kernels (`fs.gpu`), a dense CuPy attention (matmul, softmax,
 matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
 efficient and math backends when PyTorch is present. Grid: float16 and bfloat16;
 d ∈ {64, 128}; N ∈ {512 … 16k} with batch·N = 16k tokens and heads = 2048/d; causal
@@ -51,19 +51,39 @@ def dense_cupy(cp, q, k, v, causal, scale):
     return cp.matmul(P.astype(q.dtype), v)
 
 
-def interleaved(cp, fns, reps, warmup=3):
+def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
     """Median milliseconds per entry of ``fns`` ({key: (fn, context factory or None)}),
-    each timed with CUDA events around one call, the entries taking turns rep by rep."""
+    each timed with CUDA events around one call, the entries taking turns rep by rep.
+
+    Each timed call comes after untimed calls of its own entry lasting ``settle_ms`` (at
+    least one) and a synchronize. A kernel's speed depends on what ran before it: an H100
+    near its power limit (SDPA's math backend, a dense matmul) runs the next kernels at
+    lower clocks for a while. Timed straight after another entry, a kernel was charged
+    with its neighbour's power: at d = 128, N = 2048, causal, the kernel that followed
+    SDPA-math's backward measured up to 23% slower than beside one other entry, and one
+    settling call of 0.45 ms was not enough (kernels_cu/NOTES.md, "Timing"). The timed
+    call itself starts on an idle stream, so its host-side launch cost still counts."""
     import contextlib
-    for fn, ctx in fns.values():
+    per_call = {}
+    for key, (fn, ctx) in fns.items():
         with (ctx() if ctx else contextlib.nullcontext()):
             for _ in range(warmup):
                 fn()
-    cp.cuda.Device().synchronize()
+            cp.cuda.Device().synchronize()
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+        per_call[key] = cp.cuda.get_elapsed_time(start, stop)
+    settle = {key: max(1, math.ceil(settle_ms / max(t, 1e-3))) for key, t in per_call.items()}
     times = {key: [] for key in fns}
     for _ in range(reps):
         for key, (fn, ctx) in fns.items():
             with (ctx() if ctx else contextlib.nullcontext()):
+                for _ in range(settle[key]):
+                    fn()
+                cp.cuda.Device().synchronize()
                 start, stop = cp.cuda.Event(), cp.cuda.Event()
                 start.record()
                 fn()
@@ -77,6 +97,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--settle-ms", type=float, default=10.0,
+                    help="untimed calls of the same implementation before each timed one, "
+                         "for about this long (at least one call)")
+    ap.add_argument("--dtypes", default=None, help="float16, bfloat16 or both (default)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the shapes already in OUT/bench.json (a run cut short) and "
+                         "time only the rest")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "bench"))
     ap.add_argument("--kernels", default="tc,ref", help="flashsim kernels to time, comma-separated")
     ap.add_argument("--plot-only", metavar="BENCH_JSON", default=None,
@@ -110,7 +137,23 @@ def main(argv=None):
     if a.ns:
         Ns = [int(x) for x in a.ns.split(",")]
     dtypes = ["float16"] if a.quick else ["float16", "bfloat16"]
+    if a.dtypes:
+        dtypes = a.dtypes.split(",")
     rows = []
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
+            "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
+            "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
+            "timing": f"CUDA events, median of {a.reps} after 3 warm-ups, implementations "
+                      f"interleaved, each timed call after {a.settle_ms:g} ms of untimed calls "
+                      f"of its own"}
+    json_path = os.path.join(a.out, "bench.json")
+    if a.resume and os.path.exists(json_path):
+        rows = json.load(open(json_path))["rows"]
+    done = {(r["dtype"], r["d"], r["N"], r["causal"]) for r in rows}
+
+    def save():      # after every shape, so that a run cut short keeps what it timed
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     rng = np.random.default_rng(0)
     backends = {}
     if have_torch:
@@ -122,6 +165,8 @@ def main(argv=None):
             for N in Ns:
                 B = TOKENS // N
                 for causal in (False, True):
+                    if (dtype, d, N, causal) in done:
+                        continue
                     scale = 1 / math.sqrt(d)
                     tdt = getattr(torch, dtype) if have_torch else None
                     if have_torch:
@@ -180,17 +225,13 @@ def main(argv=None):
                             qg, kg, vg, is_causal=causal), ctx)
                         fns[name, "bwd"] = (lambda o=o, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
                             o, (qg, kg, vg), do, retain_graph=True), ctx)
-                    ms = interleaved(cp, fns, a.reps)
+                    ms = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms)
                     for name in dict.fromkeys(n for n, _ in fns):
                         add(name, ms[name, "fwd"], ms.get((name, "bwd")))
                     del fns
                     del q, k, v, do
-    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
-            "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
-            "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
-            "timing": f"CUDA events, median of {a.reps} after 3 warm-ups, implementations interleaved"}
-    with open(os.path.join(a.out, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                    save()
+    save()
     md = [f"# Attention, forward and backward TFLOP/s — {gpu}, {meta['date']}", "",
           f"batch·N = {TOKENS} tokens, heads = {HIDDEN}/d; {meta['timing']}; "
           f"CuPy {meta['cupy']}, PyTorch {meta['torch']}.", "",

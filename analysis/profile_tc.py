@@ -1,9 +1,9 @@
-"""One launch of each tensor-core kernel at the benchmark's d = 128, N = 4096 float16
-shape, for Nsight Compute:
+"""One launch of each tensor-core kernel at one of the benchmark's shapes (default d = 128,
+N = 4096, float16, no mask), for Nsight Compute:
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
         --section Occupancy --section MemoryWorkloadAnalysis -k regex:"flash2_(fwd|bwd)_tc" -c 2 \
-        python3 analysis/profile_tc.py [--d 128] [--n 4096] [--sdpa]
+        python3 analysis/profile_tc.py [--d 128] [--n 4096] [--dtype bfloat16] [--causal] [--sdpa]
 
 With --sdpa, PyTorch SDPA's flash kernels run too (add them to -k, e.g.
 -k regex:"flash2_(fwd|bwd)_tc|flash_fwd_kernel|flash_bwd_dq_dk_dv" -c 4).
@@ -26,23 +26,31 @@ def main(argv=None):
     ap.add_argument("--sdpa", action="store_true",
                     help="also one forward and backward of PyTorch SDPA's flash backend "
                          "(FlashAttention-2) on the same inputs, to profile beside ours")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                    help="bfloat16 needs PyTorch (CuPy has no bfloat16 arrays)")
+    ap.add_argument("--causal", action="store_true")
     a = ap.parse_args(argv)
     import cupy as cp
-    rng = np.random.default_rng(0)
     B, H = 16384 // a.n, 2048 // a.d
-    q, k, v, do = (cp.asarray(rng.standard_normal((B, H, a.n, a.d)).astype(np.float16))
-                   for _ in range(4))
-    out, lse = fs.gpu.attention(q, k, v, kernel="tc")
-    fs.gpu.attention_backward(q, k, v, out, lse, do, kernel="tc")
+    if a.dtype == "bfloat16" or a.sdpa:
+        import torch
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, a.n, a.d, device="cuda", dtype=getattr(torch, a.dtype))
+                       for _ in range(4))
+    else:
+        rng = np.random.default_rng(0)
+        q, k, v, do = (cp.asarray(rng.standard_normal((B, H, a.n, a.d)).astype(np.float16))
+                       for _ in range(4))
+    out, lse = fs.gpu.attention(q, k, v, causal=a.causal, kernel="tc")
+    fs.gpu.attention_backward(q, k, v, out, lse, do, causal=a.causal, kernel="tc")
     cp.cuda.Device().synchronize()
     if a.sdpa:
-        import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        qt, kt, vt = (torch.from_dlpack(x).requires_grad_() for x in (q, k, v))
+        qt, kt, vt = (x.detach().clone().requires_grad_() for x in (q, k, v))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            o = F.scaled_dot_product_attention(qt, kt, vt)
-            o.backward(torch.from_dlpack(do))
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=a.causal)
+            o.backward(do)
         torch.cuda.synchronize()
 
 

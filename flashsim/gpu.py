@@ -719,7 +719,8 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, 
                 (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
     if which == "tc":
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
-        _launch(cp, _kernel("flash2_bwd_tc", dtype, count_io, d), (Tc, P), smem,
+        name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
+        _launch(cp, _kernel(name, dtype, count_io, d), (Tc, P), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
                  i32(right), np.float32(scale), sem, io), threads=K.TC_BWD_THREADS)
     else:

@@ -25,7 +25,8 @@ ACC_BYTES = {"float16": 4, "bfloat16": 4, "float32": 4, "float64": 8}
 SOURCES = {
     "flash2_ref.cu": ("flash2_fwd", "flash2_bwd_preprocess", "flash2_bwd_main",
                       "flash2_bwd_postprocess"),
-    "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc"),
+    "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
+                     "flash2_bwd_tc_det"),
 }
 
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
@@ -145,7 +146,7 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
     if kernel == "flash2_fwd_tc":   # Q_i, and K_j, V_j double-buffered, in the I/O type
         return (Br * d + 4 * Bc * d) * 2
-    if kernel == "flash2_bwd_tc":   # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
+    if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):   # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
     return 0
 

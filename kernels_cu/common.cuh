@@ -73,10 +73,12 @@ struct Band {
 };
 
 // -- ordered accumulation (the deterministic backward) ----------------------------------
-// The K/V tiles that add into one Q tile's rows of dQacc take turns in increasing j:
-// turn[q tile] counts the tiles that have added. A CTA waits until the count is its turn
-// (the number of visiting tiles before it), adds, and passes the turn on. CTAs start in
-// increasing blockIdx.x, so the tile a CTA waits for is running or done.
+// The K/V tiles that add into one Q tile's rows of dQacc take turns in a fixed order of
+// j (increasing in the reference kernel, decreasing in the tensor-core one): turn[q tile]
+// counts the tiles that have added. A CTA waits until the count is its turn (the number
+// of visiting tiles before it in that order), adds, and passes the turn on. CTAs start
+// in increasing blockIdx.x, and each kernel maps blockIdx.x to j so that the tile a CTA
+// waits for has the lower blockIdx.x: it is running or done.
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
     if (threadIdx.x == 0) {
         int v;

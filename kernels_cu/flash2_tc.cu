@@ -22,7 +22,8 @@
 //                          deferred normalisation, ℓ kept per thread until the end;
 //                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
 //   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D>  the backward (below); the
-//                        post-pass is the reference's flash2_bwd_postprocess.
+//                        post-pass is the reference's flash2_bwd_postprocess;
+//                        flash2_bwd_tc_det<T, D> the same in deterministic mode.
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
 #include "common.cuh"
@@ -475,10 +476,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // Two barriers per step: Pᵀ and dSᵀ complete before 2 and 3 read them; the next step's
 // tiles landed and this step's readers done before they are overwritten.
 //
-// Deterministic mode (sem != nullptr, zeroed, one int per (problem, step of BrB rows)):
-// the K/V tiles that visit a step add into its rows of dQacc in increasing j
-// (common.cuh's wait_turn/pass_turn). The bytes moved are those of the unordered
-// atomics; the sum is the same bits on every run.
+// Deterministic mode (flash2_bwd_tc_det; sem zeroed, one int per (problem, step of BrB
+// rows)): the K/V tiles that visit a step add into its rows of dQacc in decreasing j
+// (common.cuh's wait_turn/pass_turn; the reference kernel takes increasing j). The
+// bytes moved are those of the unordered atomics; the sum is the same bits on every run.
 namespace tcb {
 // query rows per step. dK_j, dV_j take D/2 registers per thread, Sᵀ and dPᵀ BrB/2: 128
 // queries at D = 64, 64 at D = 128 (32 on Ampere at D = 128, where ptxas spills at 64;
@@ -505,14 +506,18 @@ __device__ __forceinline__ void add2(float* x, float a, float b) {
 }
 }  // namespace tcb
 
-template <typename T, int D>
-__global__ void __launch_bounds__(tcb::THREADS, 1)
-flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-              const int* __restrict__ kv_index, const T* __restrict__ dO,
-              const float* __restrict__ L, const float* __restrict__ Dv,
-              float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-              int Nq, int Nk, int left, int right, float scale, int* __restrict__ sem,
-              unsigned long long* io) {
+// The body of both backward kernels: DET = false adds into dQacc with unordered atomics
+// (flash2_bwd_tc), DET = true in turns (flash2_bwd_tc_det, sem given). Two kernels, not a
+// run-time branch on sem: the unordered kernel carries none of the turns' bookkeeping,
+// and with j chosen at run time ptxas spilled at D = 128.
+template <typename T, int D, bool DET>
+__device__ __forceinline__ void
+bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+       const int* __restrict__ kv_index, const T* __restrict__ dO,
+       const float* __restrict__ L, const float* __restrict__ Dv,
+       float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
+       int Nq, int Nk, int left, int right, float scale, int* __restrict__ sem,
+       unsigned long long* io) {
     using namespace tc;
     constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
     constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
@@ -536,7 +541,13 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int wk = warp & 3, wh = warp >> 2;      // 32-key group; half (queries in 1, D in 2)
-    const int j = blockIdx.x, p = blockIdx.y;
+    // deterministic mode adds into each Q step in decreasing j and so starts the highest
+    // j first: the tile a CTA waits for was launched before it (no deadlock). Under a
+    // causal mask, where tile j's first step is the diagonal, tile j + 1 reaches each
+    // step one step ahead of tile j, so the turns rarely wait. In increasing j each
+    // tile waited at every step for the one before it, a chain back to tile 0, the
+    // longest: causal ran 2x slower than with atomics (NOTES.md, v6).
+    const int j = DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, p = blockIdx.y;
     const int j0 = j * Bc, cols = min(Bc, Nk - j0);
     const long long kv = kv_index[p];
     const Band band{left, right, Nk - Nq};
@@ -711,11 +722,11 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         {
             const long long q_row = (long long)p * Nq + i0;
             int* turn = sem + ((long long)p * ((Nq + BrB - 1) / BrB) + i);
-            int mine = 0;                                     // visiting tiles before j
-            if (sem != nullptr) {
+            int mine = 0;                                     // visiting tiles after j
+            if constexpr (DET) {
                 int jlo, jhi;
                 band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
-                mine = j - jlo;
+                mine = jhi - j;
             }
             float dq[2][DQ][4];
 #pragma unroll
@@ -738,7 +749,7 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                     }
                 }
             }
-            if (sem != nullptr) wait_turn(turn, mine);
+            if constexpr (DET) wait_turn(turn, mine);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const int r0 = wq * 32 + mt * 16 + g, r1 = r0 + 8;
@@ -749,7 +760,7 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                     if (r1 < rows) tcb::add2(dQacc + (q_row + r1) * D + c, scale * dq[mt][t][2], scale * dq[mt][t][3]);
                 }
             }
-            if (sem != nullptr) pass_turn(turn, mine);        // tile j + 1 adds next
+            if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
         }
     }
     // the traffic, counted once after the loop (counter updates inside it would hold
@@ -788,6 +799,26 @@ flash2_bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     }
     COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
     COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
+}
+
+#define FLASHSIM_BWD_TC_PARAMS                                                              \
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,             \
+    const int* __restrict__ kv_index, const T* __restrict__ dO,                            \
+    const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
+    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int left, int right,           \
+    float scale, int* __restrict__ sem, unsigned long long* io
+#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, sem, io
+
+// dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
+template <typename T, int D>
+__global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc(FLASHSIM_BWD_TC_PARAMS) {
+    bwd_tc<T, D, false>(FLASHSIM_BWD_TC_ARGS);
+}
+
+// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
+template <typename T, int D>
+__global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BWD_TC_PARAMS) {
+    bwd_tc<T, D, true>(FLASHSIM_BWD_TC_ARGS);
 }
 
 // flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the

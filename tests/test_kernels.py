@@ -35,7 +35,7 @@ def test_every_kernel_compiles_without_spills(arch):
     rows = kernels.build(arch)
     expected = {(i.kernel, i.dtype, i.D, inst) for i in kernels.instances()
                 for inst in (False, True)}
-    assert len(expected) == 2 * (4 * 4 + 3 * 4)    # reference: 4 kernels × 4 dtypes; tc: 3 × 2 × 2
+    assert len(expected) == 2 * (4 * 4 + 4 * 4)    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2
     assert {(r.kernel, r.dtype, r.D, r.instrumented) for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
     # neither build touches local memory: the instrumented kernels count their traffic
