@@ -52,8 +52,9 @@ def dense_cupy(cp, q, k, v, causal, scale):
 
 
 def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
-    """Median milliseconds per entry of ``fns`` ({key: (fn, context factory or None)}),
-    each timed with CUDA events around one call, the entries taking turns rep by rep.
+    """Milliseconds of each rep, per entry of ``fns`` ({key: (fn, context factory or
+    None)}), each timed with CUDA events around one call, the entries taking turns rep by
+    rep.
 
     Each timed call comes after untimed calls of its own entry lasting ``settle_ms`` (at
     least one) and a synchronize. A kernel's speed depends on what ran before it: an H100
@@ -90,7 +91,7 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
                 stop.record()
                 stop.synchronize()
             times[key].append(cp.cuda.get_elapsed_time(start, stop))
-    return {key: float(np.median(t)) for key, t in times.items()}
+    return times
 
 
 def main(argv=None):
@@ -178,8 +179,12 @@ def main(argv=None):
                     ff, fb = flops(B, H, N, d, causal), flops(B, H, N, d, causal, True)
                     cfg = dict(dtype=dtype, d=d, N=N, B=B, H=H, causal=causal)
 
-                    def add(name, fwd_ms, bwd_ms):
+                    def add(name, fwd_reps, bwd_reps):
+                        fwd_ms = float(np.median(fwd_reps))
+                        bwd_ms = float(np.median(bwd_reps)) if bwd_reps else None
                         rows.append({**cfg, "impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                                     "fwd_ms_reps": [round(t, 5) for t in fwd_reps],
+                                     "bwd_ms_reps": [round(t, 5) for t in bwd_reps or ()],
                                      "fwd_tflops": ff / fwd_ms / 1e9 if fwd_ms else None,
                                      "bwd_tflops": fb / bwd_ms / 1e9 if bwd_ms else None})
                         print(f"{dtype} d={d} N={N} causal={causal} {name}: "
@@ -225,9 +230,9 @@ def main(argv=None):
                             qg, kg, vg, is_causal=causal), ctx)
                         fns[name, "bwd"] = (lambda o=o, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
                             o, (qg, kg, vg), do, retain_graph=True), ctx)
-                    ms = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms)
+                    reps = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms)
                     for name in dict.fromkeys(n for n, _ in fns):
-                        add(name, ms[name, "fwd"], ms.get((name, "bwd")))
+                        add(name, reps[name, "fwd"], reps.get((name, "bwd")))
                     del fns
                     del q, k, v, do
                     save()
