@@ -62,13 +62,14 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
     lower clocks for a while. Timed straight after another entry, a kernel was charged
     with its neighbour's power: at d = 128, N = 2048, causal, the kernel that followed
     SDPA-math's backward measured up to 23% slower than beside one other entry, and one
-    settling call of 0.45 ms was not enough (kernels_cu/NOTES.md, "Timing"). The timed
+    settling call (about 0.5 ms) was not enough (kernels_cu/NOTES.md, "Timing"). The timed
     call itself starts on an idle stream, so its host-side launch cost still counts."""
     import contextlib
-    per_call = {}
-    for key, (fn, ctx) in fns.items():
+
+    def timed_call(fn, ctx, untimed):
+        """``untimed`` calls of fn, a synchronize, then one call timed alone (ms)."""
         with (ctx() if ctx else contextlib.nullcontext()):
-            for _ in range(warmup):
+            for _ in range(untimed):
                 fn()
             cp.cuda.Device().synchronize()
             start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -76,22 +77,24 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
             fn()
             stop.record()
             stop.synchronize()
-        per_call[key] = cp.cuda.get_elapsed_time(start, stop)
-    settle = {key: max(1, math.ceil(settle_ms / max(t, 1e-3))) for key, t in per_call.items()}
+        return cp.cuda.get_elapsed_time(start, stop)
+    # the warm-up's last call sizes each entry's settling calls
+    settle = {key: max(1, math.ceil(settle_ms / max(timed_call(fn, ctx, warmup), 1e-3)))
+              for key, (fn, ctx) in fns.items()}
     times = {key: [] for key in fns}
     for _ in range(reps):
         for key, (fn, ctx) in fns.items():
-            with (ctx() if ctx else contextlib.nullcontext()):
-                for _ in range(settle[key]):
-                    fn()
-                cp.cuda.Device().synchronize()
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                fn()
-                stop.record()
-                stop.synchronize()
-            times[key].append(cp.cuda.get_elapsed_time(start, stop))
+            times[key].append(timed_call(fn, ctx, settle[key]))
     return times
+
+
+def _dtypes(text):
+    out = text.split(",")
+    bad = [x for x in out if x not in ("float16", "bfloat16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: the benchmark's dtypes are float16 "
+                                         "and bfloat16")
+    return out
 
 
 def main(argv=None):
@@ -101,7 +104,8 @@ def main(argv=None):
     ap.add_argument("--settle-ms", type=float, default=10.0,
                     help="untimed calls of the same implementation before each timed one, "
                          "for about this long (at least one call)")
-    ap.add_argument("--dtypes", default=None, help="float16, bfloat16 or both (default)")
+    ap.add_argument("--dtypes", default=None, type=_dtypes,
+                    help="float16, bfloat16 or both, comma-separated (default: both)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the shapes already in OUT/bench.json (a run cut short) and "
                          "time only the rest")
@@ -139,7 +143,7 @@ def main(argv=None):
         Ns = [int(x) for x in a.ns.split(",")]
     dtypes = ["float16"] if a.quick else ["float16", "bfloat16"]
     if a.dtypes:
-        dtypes = a.dtypes.split(",")
+        dtypes = a.dtypes
     rows = []
     meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
             "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
@@ -287,7 +291,8 @@ def plot(rows, meta, path):
                 ax.set_ylabel("TFLOP/s")
             if row == 1:
                 ax.set_xlabel("N (batch·N = 16k tokens)")
-    axes[0, 0].legend(fontsize=7)
+    if axes[0, 0].get_legend_handles_labels()[0]:      # no float16 rows: nothing drawn
+        axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"Attention TFLOP/s, float16 — {meta['gpu']}, {meta['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -146,7 +146,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
     if kernel == "flash2_fwd_tc":   # Q_i, and K_j, V_j double-buffered, in the I/O type
         return (Br * d + 4 * Bc * d) * 2
-    if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):   # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
+    if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
+        # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
     return 0
 
