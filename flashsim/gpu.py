@@ -15,10 +15,12 @@ float64 come in any of these; bfloat16 comes as PyTorch tensors (CuPy has no bfl
 Non-contiguous inputs are copied to contiguous ones first. The layout and semantics are
 `flashsim.simulate`'s; L is fp32, as FlashAttention stores it.
 
-Kernels (kernels_cu/flash2_ref.cu) are compiled once per (dtype set, instrumented or
-not, device) with NVRTC and cached; ``count_io=True`` runs the instrumented build, whose
-thread blocks add the bytes of every tile they move to per-tensor counters, and returns
-that as a `flashsim.Traffic`.
+Kernels (kernels_cu/*.cu) are compiled once per (source, instrumented or not, device)
+with NVRTC and cached; ``count_io=True`` runs the instrumented build, whose thread blocks
+add the bytes of every tile they move to per-tensor counters, and returns that as a
+`flashsim.Traffic`. Three rungs: "ref" (flash2_ref.cu, any dtype and tile), "tc"
+(flash2_tc.cu, mma.sync tensor cores, Ampere and later) and "wg" (flash2_wg.cu, the
+forward on Hopper's warpgroup MMAs, compute capability 9.0 only).
 """
 
 from __future__ import annotations
@@ -26,9 +28,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
+import json
 import math
+import os
 import struct
+import tempfile
 import weakref
+from pathlib import Path
 
 import numpy as np
 
@@ -83,8 +90,88 @@ def compile_options(count_io: bool) -> tuple[str, ...]:
 def _module(source: str, count_io: bool, device: int):
     cp = _cupy()
     code = (K.kernel_dir() / source).read_text()
+    if source in K.ARCH_SPECIFIC:
+        return _ArchModule(source, code, count_io)
     return cp.RawModule(code=code, options=compile_options(count_io),
                         name_expressions=K.name_expressions(source))
+
+
+class _ArchModule:
+    """A source built by NVRTC for its arch-specific target (K.ARCH_SPECIFIC: sm_90a for
+    wgmma), which CuPy's RawModule, naming the plain target itself, cannot ask for. The
+    cubin and the kernels' mangled names are cached on disk beside CuPy's own kernels,
+    keyed by everything the build depends on."""
+
+    def __init__(self, source: str, code: str, count_io: bool):
+        cp = _cupy()
+        from cupy_backends.cuda.libs import nvrtc
+        exprs = K.name_expressions(source)
+        opts = compile_options(count_io) + (f"-arch={K.ARCH_SPECIFIC[source]}",)
+        headers = "".join(p.read_text() for p in sorted(K.kernel_dir().glob("*.cuh")))
+        key = hashlib.sha256("\0".join((code, headers, *opts, *exprs, str(nvrtc.getVersion())))
+                             .encode()).hexdigest()[:40]
+        cache = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+        path = cache / f"flashsim_{Path(source).stem}_{key}"
+        try:
+            cubin = path.with_suffix(".cubin").read_bytes()
+            names = json.loads(path.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            cubin, names = self._compile(nvrtc, source, code, opts, exprs)
+            try:   # written whole, then renamed: a concurrent reader sees all or nothing
+                cache.mkdir(parents=True, exist_ok=True)
+                for suffix, data in ((".cubin", cubin), (".json", json.dumps(names).encode())):
+                    fd, tmp = tempfile.mkstemp(dir=cache)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path.with_suffix(suffix))
+            except OSError:
+                pass                                    # no cache: compile again next time
+        self.names = names
+        self.module = cp.cuda.function.Module()
+        self.module.load(cubin)
+
+    @staticmethod
+    def _compile(nvrtc, source, code, opts, exprs):
+        prog = nvrtc.createProgram(code, source, [], [])
+        try:
+            for e in exprs:
+                nvrtc.addNameExpression(prog, e)
+            try:
+                nvrtc.compileProgram(prog, list(opts))
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"NVRTC failed on {source} ({' '.join(opts)}):\n"
+                                   f"{nvrtc.getProgramLog(prog)}") from e
+            return bytes(nvrtc.getCUBIN(prog)), {e: nvrtc.getLoweredName(prog, e) for e in exprs}
+        finally:
+            nvrtc.destroyProgram(prog)
+
+    def get_function(self, expr: str) -> "_ArchKernel":
+        return _ArchKernel(self.module.get_function(self.names[expr]))
+
+
+class _ArchKernel:
+    """A driver function with what the launchers use of a CuPy RawKernel: ``.kernel``,
+    ``max_dynamic_shared_size_bytes`` and a call on the current stream."""
+
+    def __init__(self, fn):
+        self.kernel = fn
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        drv = _cupy().cuda.driver
+        return drv.funcGetAttribute(drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n: int):
+        drv = _cupy().cuda.driver
+        drv.funcSetAttribute(self.kernel.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                             n)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        pad = lambda t: tuple(t) + (1,) * (3 - len(t))
+        self.kernel(pad(grid), pad(block), args, shared_mem=shared_mem,
+                    stream=_cupy().cuda.get_current_stream())
 
 
 def _kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
@@ -96,18 +183,37 @@ def _kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int
     cp = _cupy()
     if name in K.SOURCES["flash2_tc.cu"]:
         source, expr = "flash2_tc.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
+    elif name in K.SOURCES["flash2_wg.cu"]:
+        source, expr = "flash2_wg.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
     else:
         source, expr = "flash2_ref.cu", f"{name}<{K.CUDA_TYPES[dtype]}>"
     return _module(source, count_io, device).get_function(expr)
 
 
-KERNELS = ("auto", "ref", "tc")
+KERNELS = ("auto", "ref", "tc", "wg")
 
 
 @functools.lru_cache(maxsize=None)
-def _cc_major(device: int) -> int:
+def _cc(device: int) -> int:
     # CuPy spells the compute capability as a string, "90" for 9.0
-    return int(_cupy().cuda.Device(device).compute_capability) // 10
+    return int(_cupy().cuda.Device(device).compute_capability)
+
+
+def _cc_major(device: int) -> int:
+    return _cc(device) // 10
+
+
+def _wg_supports(shape: Shape, dtype: str, block_sizes) -> bool:
+    """The Hopper forward runs these inputs on the current device (compute capability
+    9.0: its sm_90a code runs on no other)."""
+    if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.WG_HEAD_DIMS):
+        return False
+    device = _cupy().cuda.Device().id
+    tiles = K.WG_BLOCKS[shape.d]
+    return (_cc(device) == K.WG_COMPUTE_CAPABILITY
+            and (block_sizes is None or tuple(block_sizes) == tiles)
+            and K.smem_bytes("flash2_fwd_wg", *tiles, shape.d, shape.dv, dtype)
+            <= _smem_limit_on(device))
 
 
 def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
@@ -129,11 +235,23 @@ def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) 
 
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False) -> str:
-    """"tc" (tensor cores) where it supports the inputs, else "ref"."""
+    """The fastest rung that supports the inputs: "wg" (Hopper, forward), "tc" (tensor
+    cores), else "ref"; or the one asked for, with an error where it cannot run them."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "ref":
         return "ref"
+    if kernel == "wg" and backward:
+        raise ValueError("the Hopper kernel ('wg') is a forward only; the backward runs on "
+                         "kernel='tc' (or 'auto', which picks it)")
+    if kernel in ("auto", "wg") and not backward and _wg_supports(shape, dtype, block_sizes):
+        return "wg"
+    if kernel == "wg":
+        raise ValueError(
+            f"the Hopper kernel runs float16/bfloat16 with d = dv in {K.WG_HEAD_DIMS} and "
+            f"its own tiles {K.WG_BLOCKS}, on a device of compute capability 9.0 (this one: "
+            f"{_cc(_cupy().cuda.Device().id) / 10:.1f}); got {dtype}, d={shape.d}, "
+            f"dv={shape.dv}, block_sizes={block_sizes}. Use kernel='tc', 'ref' or 'auto'.")
     if _tc_supports(shape, dtype, block_sizes, backward):
         return "tc"
     if kernel == "tc":
@@ -357,7 +475,10 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[
     `flashsim.simulate` to predict the kernels' traffic)."""
     qi, vi = _In(q, "q"), _In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
-    if _choose(kernel, shape, qi.dtype, None, backward) == "tc":
+    which = _choose(kernel, shape, qi.dtype, None, backward)
+    if which == "wg":
+        return K.WG_BLOCKS[shape.d]
+    if which == "tc":
         return _tc_tiles(shape.d, backward)
     return _blocks(None, shape, qi.dtype, backward)
 
@@ -406,13 +527,15 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     """FlashAttention-2 forward on the GPU: (out, lse), or (out, lse, traffic) with
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
-    ``kernel``: "tc" the tensor-core kernel (float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any
-    dtype, d, dv ≤ 256, any tiles), or "auto" (default): "tc" whenever it supports the
-    inputs and its tiles fit the device's shared memory.
+    ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
+    float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128), "tc" the tensor-core kernel
+    (mma.sync, Ampere and later; float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128 at
+    d = 64 on sm_90, else 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256,
+    any tiles), or "auto" (default): the first of "wg", "tc", "ref" that supports the
+    inputs on this device, with tiles that fit its shared memory.
     """
-    if not count_io and block_sizes is None and kernel in ("auto", "tc"):
-        fast = _torch_forward(q, k, v, causal, scale)
+    if not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
+        fast = _torch_forward(q, k, v, causal, scale, kernel)
         if fast is not None:
             return fast
     with _stream(q):
@@ -422,10 +545,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
 
 # -- the common case without the general path's Python: PyTorch (B, H, N, d) tensors ----
 
-_PLANS: dict = {}        # (shapes, dtype, causal, scale, device) -> launch plan
+_PLANS: dict = {}        # (shapes, dtype, causal, scale, device, kernel) -> launch plan
 
 
-def _torch_forward(q, k, v, causal, scale):
+def _torch_forward(q, k, v, causal, scale, kernel="auto"):
     """The tensor-core forward for contiguous CUDA tensors (B, H, Nq, d) and (B, Hk, Nk, d)
     with Hk dividing H, float16/bfloat16, d ∈ TC_HEAD_DIMS: outputs allocated by PyTorch,
     pointers passed straight to cuLaunchKernel, the launch plan cached per shape. The
@@ -433,7 +556,7 @@ def _torch_forward(q, k, v, causal, scale):
     N = 1k. Returns None for anything else (the general path then checks and runs it)."""
     if not _fast_inputs(q, k, v, causal, scale):
         return None
-    plan = _torch_forward_plan(q, k, v, causal, scale)
+    plan = _torch_forward_plan(q, k, v, causal, scale, kernel)
     if plan is None:
         return None
     import torch
@@ -484,18 +607,19 @@ def _fast_inputs(q, k, v, causal, scale) -> bool:
             and isinstance(causal, bool) and (scale is None or type(scale) in (float, int)))
 
 
-def _plan_key(q, k, v, causal, scale):
+def _plan_key(q, k, v, causal, scale, kernel):
     return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, scale,
-            q.device.index)
+            q.device.index, kernel)
 
 
-def _torch_forward_plan(q, k, v, causal, scale):
-    """The cached launch plan for these tensors, or None where the fast path does not
-    apply (the caller has checked the types)."""
-    key = _plan_key(q, k, v, causal, scale)
+def _torch_forward_plan(q, k, v, causal, scale, kernel="auto"):
+    """The cached launch plan for these tensors and forward ``kernel`` ("auto", "tc" or
+    "wg"), or None where the fast path does not apply (the caller has checked the
+    types)."""
+    key = _plan_key(q, k, v, causal, scale, kernel)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan_torch_forward(q, k, v, causal, scale)
+        plan = _plan_torch_forward(q, k, v, causal, scale, kernel)
         if len(_PLANS) > 1024:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -504,7 +628,7 @@ def _torch_forward_plan(q, k, v, causal, scale):
     return plan
 
 
-def _plan_torch_forward(q, k, v, causal, scale):
+def _plan_torch_forward(q, k, v, causal, scale, kernel):
     """What the fast path launches for these shapes, or False where it does not apply."""
     import torch
     dtypes = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -519,11 +643,18 @@ def _plan_torch_forward(q, k, v, causal, scale):
     dtype = dtypes[q.dtype]
     plan = _Plan()
     with cp.cuda.Device(q.device.index):
-        Br, Bc = _tc_tiles(d, False)
-        smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, d, d, dtype)
+        shape = Shape(Nq, Nk, d, d, (B, H), (B, H), (B, Hk), H // Hk)
+        if kernel != "tc" and _wg_supports(shape, dtype, None):   # Hopper: warpgroup MMAs
+            name, (Br, Bc), threads = "flash2_fwd_wg", K.WG_BLOCKS[d], K.WG_THREADS
+        elif kernel == "wg":
+            return False                                # the general path says why not
+        else:
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(d, False)
+            threads = K.tc_threads(d, _cc_major(q.device.index))
+        smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
         if smem > smem_limit():
             return False                                # the general path picks "ref"
-        kern = _kernel("flash2_fwd_tc", dtype, False, d)
+        kern = _kernel(name, dtype, False, d)
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
         # query problem (b, h) reads K/V problem (b, h // (H / Hk)): GQA groups
@@ -534,8 +665,7 @@ def _plan_torch_forward(q, k, v, causal, scale):
         plan.scale = check_scale(scale, d)
         plan.io = _unused_counters(q.device.index).data.ptr
         # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, io)
-        plan.fwd = _Launcher(kern, "6Q4if4xQ", (-(-Nq // Br), B * H),
-                             K.tc_threads(d, _cc_major(q.device.index)), smem,
+        plan.fwd = _Launcher(kern, "6Q4if4xQ", (-(-Nq // Br), B * H), threads, smem,
                              (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e),
                               plan.io))
         plan.lse_shape = (B, H, Nq)
@@ -623,13 +753,17 @@ def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
     L = _empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
     io = _counters(cp, count_io)
     i32 = np.int32
-    if which == "tc":
-        Br, Bc = _tc_tiles(shape.d, False)
-        smem = K.smem_bytes("flash2_fwd_tc", Br, Bc, shape.d, shape.dv, dtype)
-        _launch(cp, _kernel("flash2_fwd_tc", dtype, count_io, shape.d), (-(-Nq // Br), P),
+    if which in ("tc", "wg"):    # one signature: (Q, K, V, kv_index, O, L, Nq, Nk, band, scale)
+        if which == "wg":
+            name, (Br, Bc), threads = "flash2_fwd_wg", K.WG_BLOCKS[shape.d], K.WG_THREADS
+        else:
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(shape.d, False)
+            threads = K.tc_threads(shape.d, _cc_major(cp.cuda.Device().id))
+        smem = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
+        _launch(cp, _kernel(name, dtype, count_io, shape.d), (-(-Nq // Br), P),
                 smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
                        i32(right), np.float32(scale * math.log2(math.e)), io),
-                threads=K.tc_threads(shape.d, _cc_major(cp.cuda.Device().id)))
+                threads=threads)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)

@@ -27,7 +27,11 @@ SOURCES = {
                       "flash2_bwd_postprocess"),
     "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
                      "flash2_bwd_tc_det"),
+    "flash2_wg.cu": ("flash2_fwd_wg",),
 }
+# Sources built for one architecture only, by its arch-specific target: the Hopper rung
+# uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
+ARCH_SPECIFIC = {"flash2_wg.cu": "sm_90a"}
 
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
 TC_DTYPES = ("float16", "bfloat16")
@@ -59,6 +63,23 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
     return (TC_BWD_BLOCKS_AMPERE if cc_major < 9 else TC_BWD_BLOCKS)[d]
 
 
+# The Hopper rung (flash2_wg.cu, forward only): warpgroup MMAs, 2 warpgroups of 64 rows.
+WG_HEAD_DIMS = (64, 128)
+WG_BLOCKS = {64: (128, 128), 128: (128, 128)}
+WG_THREADS = 256
+WG_COMPUTE_CAPABILITY = 90
+
+
+def source_arch(source: str, arch: str) -> str | None:
+    """The target to build ``source`` for when building for ``arch``: ``arch`` itself,
+    the arch-specific target (sm_90a) for a source that needs one on that chip, or None
+    where the source has no code for that chip."""
+    special = ARCH_SPECIFIC.get(source)
+    if special is None:
+        return arch
+    return special if arch.rstrip("a") == special.rstrip("a") else None
+
+
 TC_BWD_THREADS = 256
 # its pre-pass (D = rowsum(dO ∘ O), dQacc = 0): rows per CTA and threads
 TC_PRE_BR, TC_PRE_THREADS = 64, 128
@@ -86,7 +107,7 @@ def instances(source: str | None = None) -> list[Instance]:
         if source is not None and src != source:
             continue
         for k in names:
-            if src == "flash2_tc.cu":
+            if src in ("flash2_tc.cu", "flash2_wg.cu"):
                 for dt in TC_DTYPES:
                     for D in TC_HEAD_DIMS:
                         out.append(Instance(src, k, dt, D, f"{k}<{CUDA_TYPES[dt]}, {D}>",
@@ -146,6 +167,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
     if kernel == "flash2_fwd_tc":   # Q_i, and K_j, V_j double-buffered, in the I/O type
         return (Br * d + 4 * Bc * d) * 2
+    if kernel == "flash2_fwd_wg":   # the same, plus room to start the tiles on 1024 bytes
+        return (Br * d + 4 * Bc * d) * 2 + 1024
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
@@ -203,11 +226,18 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     sources = [source] if source is not None else list(SOURCES)
     with tempfile.TemporaryDirectory() as tmp:
         for src, count_io in ((s, c) for s in sources for c in modes):
+            target = source_arch(src, arch)
+            if target is None:
+                continue
             inst = Path(tmp) / "instances.cu"
             refs = ",\n    ".join(f"(void*)&{e}" for e in name_expressions(src))
             inst.write_text(f'#include "{src}"\n'
                             f"void* flashsim_instances[] = {{\n    {refs}\n}};\n")
-            cmd = [nvcc, f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
+            # -gencode, not -arch, for sm_90a: -arch=sm_90a would add a plain sm_90 pass,
+            # which rejects wgmma
+            gen = (f"-gencode=arch=compute_{target[3:]},code={target}" if target.endswith("a")
+                   else f"-arch={target}")
+            cmd = [nvcc, gen, "-std=c++17", "-cubin", "-Xptxas", "-v",
                    f"-I{kdir}", "-o", str(Path(tmp) / "out.cubin"), str(inst)]
             if count_io:
                 cmd.insert(1, "-DFLASHSIM_COUNT_IO")

@@ -116,9 +116,22 @@ def test_forward_matches_simulator(poisoned, problem):
 TC_DTYPES = [t for t in ("float16", "bfloat16") if t in DTYPES]
 
 
-@given(gpu_problems(head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False, same_dv=True))
-def test_tensor_core_forward_matches_simulator(poisoned, problem):
-    check_forward(*problem, kernel="tc")
+def hopper():
+    """The device runs the sm_90a kernels (compute capability 9.0)."""
+    import cupy as cp
+    return cp.cuda.Device().compute_capability == "90"
+
+
+# the forward's fast rungs: mma.sync everywhere, warpgroup MMAs on compute capability 9.0
+FAST_FORWARD = ["tc", pytest.param("wg", marks=pytest.mark.skipif(
+    not fs.gpu.available() or not hopper(), reason="the wg kernel needs compute capability 9.0"))]
+
+
+@pytest.mark.parametrize("kernel", FAST_FORWARD)
+@given(problem=gpu_problems(head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False,
+                            same_dv=True))
+def test_tensor_core_forward_matches_simulator(poisoned, kernel, problem):
+    check_forward(*problem, kernel=kernel)
 
 
 def check_forward(q, k, v, dtype, causal, blocks, kernel):
@@ -314,6 +327,11 @@ def test_numpy_in_cupy_out_and_errors():
         fs.gpu.attention(w, w, w)
     with pytest.raises(ValueError, match="tensor-core kernel runs"):
         fs.gpu.attention(q, k, v, kernel="tc")           # float32: reference only
+    with pytest.raises(ValueError, match="Hopper kernel runs"):
+        fs.gpu.attention(q, k, v, kernel="wg")
+    out, lse = fs.gpu.attention(q, k, v)
+    with pytest.raises(ValueError, match="forward only"):
+        fs.gpu.attention_backward(q, k, v, out, lse, q, kernel="wg")
     with pytest.raises(ValueError, match="kernel must be"):
         fs.gpu.attention(q, k, v, kernel="fast")
 
@@ -367,7 +385,8 @@ def test_torch_fast_path_equals_the_general_path(causal, dtype, d):
     q = torch.randn(2, 6, 333, d, device="cuda", dtype=tdt)
     k, v = (torch.randn(2, 3, 517, d, device="cuda", dtype=tdt) for _ in range(2))
     o1, l1 = fs.gpu.attention(q, k, v, causal=causal)
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, None, q.device.index)
+    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, None, q.device.index,
+           "auto")
     assert fs.gpu._PLANS.get(key), "the fast path did not run"
     o2, l2, _ = fs.gpu.attention(q, k, v, causal=causal, count_io=True)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -456,14 +475,65 @@ ODD = [(113, 203, 40), (128, 217, 59), (108, 256, 96), (1023, 1024, 111), (203, 
 ODD_TC = [(113, 203, 64), (128, 217, 128), (1023, 1024, 64), (7, 1023, 128), (1023, 7, 64)]
 
 
+@pytest.mark.parametrize("kernel", FAST_FORWARD)
 @pytest.mark.parametrize("Nq, Nk, d", ODD_TC)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_odd_shapes_tensor_core(poisoned, Nq, Nk, d, dtype, causal):
+def test_odd_shapes_tensor_core(poisoned, kernel, Nq, Nk, d, dtype, causal):
     rng = np.random.default_rng(Nq * 7 + Nk + d)
     rnd = make_precision("kernel", dtype).io_round
     q, k, v = (rnd(random_tensor(rng, (2, 3, n, d))).astype(np.float64) for n in (Nq, Nk, Nk))
-    check_forward(q, k, v, dtype, causal, None, kernel="tc")
+    check_forward(q, k, v, dtype, causal, None, kernel=kernel)
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("torch_in", [False, True])
+def test_auto_runs_the_hopper_forward_on_hopper(torch_in):
+    """On a 9.0 device "auto" is the wg forward, on the fast path too; its tiles are the
+    ones block_sizes reports; the backward runs on the tc kernel."""
+    if torch_in and not HAVE_TORCH:
+        pytest.skip("PyTorch with CUDA not installed")
+    rng = np.random.default_rng(13)
+    q, k, v, dout = (rng.standard_normal((2, 4, 300, 128)).astype(np.float16) for _ in range(4))
+    if torch_in:
+        q, k, v, dout = (torch.from_numpy(x).cuda() for x in (q, k, v, dout))
+    else:
+        import cupy as cp
+        q, k, v, dout = (cp.asarray(x) for x in (q, k, v, dout))
+    assert fs.gpu.block_sizes(q, v) == fs.kernels.WG_BLOCKS[128]
+    assert fs.gpu.block_sizes(q, v, kernel="tc") == fs.kernels.TC_BLOCKS[128]
+    out, lse = fs.gpu.attention(q, k, v, causal=True)
+    wg, wg_lse = fs.gpu.attention(q, k, v, causal=True, kernel="wg")
+    tc = fs.gpu.attention(q, k, v, causal=True, kernel="tc")[0]
+    assert np.array_equal(host(out), host(wg)) and np.array_equal(host(lse), host(wg_lse))
+    assert not np.array_equal(host(out), host(tc))   # two kernels (tiles of 128 vs 64 keys)
+    assert np.abs(host(out) - host(tc)).max() < 1e-2
+    grads = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True)
+    want = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True, kernel="tc")
+    for a, b in zip(grads[1:], want[1:]):
+        assert np.array_equal(host(a), host(b))
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+def test_the_sm90a_build_is_cached_on_disk(monkeypatch, tmp_path):
+    """NVRTC's sm_90a cubin is kept under CUPY_CACHE_DIR and read back by a new process
+    (here: a cleared in-memory cache, and a compiler that must not be called)."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    fs.gpu._module.cache_clear()
+    fs.gpu._kernel_on.cache_clear()
+    try:
+        fs.gpu._kernel("flash2_fwd_wg", "float16", True, 64)
+        assert len(list(tmp_path.glob("flashsim_flash2_wg_*.cubin"))) == 1
+        fs.gpu._module.cache_clear()
+        fs.gpu._kernel_on.cache_clear()
+
+        def no_compile(*a):
+            raise AssertionError("compiled again")
+        monkeypatch.setattr(fs.gpu._ArchModule, "_compile", staticmethod(no_compile))
+        fs.gpu._kernel("flash2_fwd_wg", "float16", True, 64)
+    finally:
+        fs.gpu._module.cache_clear()
+        fs.gpu._kernel_on.cache_clear()
 
 
 @pytest.mark.parametrize("Nq, Nk, d", ODD)
@@ -516,6 +586,8 @@ def test_tiles_that_do_not_fit_fall_back_to_the_reference(monkeypatch, torch_in)
         q, k, v, dout = (cp.asarray(x) for x in (q, k, v, dout))
     with pytest.raises(ValueError, match="shared memory"):
         fs.gpu.attention(q, k, v, kernel="tc")
+    with pytest.raises(ValueError, match="Hopper kernel"):
+        fs.gpu.attention(q, k, v, kernel="wg")
     out, lse = fs.gpu.attention(q, k, v)
     ref, ref_lse = fs.gpu.attention(q, k, v, kernel="ref")
     assert np.array_equal(host(out), host(ref)) and np.array_equal(host(lse), host(ref_lse))

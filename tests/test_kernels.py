@@ -34,13 +34,21 @@ def test_default_block_sizes_fit_the_shared_memory():
 def test_every_kernel_compiles_without_spills(arch):
     rows = kernels.build(arch)
     expected = {(i.kernel, i.dtype, i.D, inst) for i in kernels.instances()
-                for inst in (False, True)}
-    assert len(expected) == 2 * (4 * 4 + 4 * 4)    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2
+                for inst in (False, True) if kernels.source_arch(i.source, arch)}
+    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2; wg (sm_90a only): 1 × 2 × 2
+    assert len(expected) == 2 * (4 * 4 + 4 * 4 + (4 if arch == "sm_90" else 0))
     assert {(r.kernel, r.dtype, r.D, r.instrumented) for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
     # neither build touches local memory: the instrumented kernels count their traffic
     # where registers are free, so the counters cost no spill either
     assert all(r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 for r in rows)
+
+
+def test_the_hopper_source_builds_for_sm_90a_only():
+    assert kernels.source_arch("flash2_wg.cu", "sm_90") == "sm_90a"
+    assert kernels.source_arch("flash2_wg.cu", "sm_90a") == "sm_90a"
+    assert kernels.source_arch("flash2_wg.cu", "sm_80") is None
+    assert kernels.source_arch("flash2_tc.cu", "sm_80") == "sm_80"
 
 
 def test_build_rejects_a_bad_arch():

@@ -1,0 +1,478 @@
+// flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
+// visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
+//
+//   flash2_fwd_wg<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//                        tiles Br × Bc = 128 × 128. Over flash2_fwd_tc it changes how the
+//                        products run:
+//                        - wgmma.mma_async m64nNk16: a warpgroup (4 warps) issues one
+//                          instruction for a 64 × N × 16 product and the tensor cores run
+//                          it without holding the warps' issue slots, where mma.sync
+//                          needs one instruction per 16 × 8 × 16 and chains them;
+//                        - two warpgroups, 64 query rows each (warps still split along Q:
+//                          a warp owns 16 whole rows of S, no inter-warp reduction);
+//                        - Q_i and K_j are read by the tensor cores straight from shared
+//                          memory (K-major), V_j too (MN-major, the instruction transposes
+//                          it), so no ldmatrix; P stays in registers as the A operand;
+//                        - shared tiles in the 128-byte swizzle the tensor cores read:
+//                          rows of 64 halves (128 bytes), 16-byte chunk c of row r at
+//                          c ^ (r & 7), a tile of D columns as D/64 such column blocks;
+//                        - loads as in flash2_tc.cu: 16-byte cp.async, K and V
+//                          double-buffered, each tile waited for separately.
+// Needs sm_90a (flashsim/gpu.py compiles it with NVRTC for that target on a 9.0 device).
+// Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
+
+#include "common.cuh"
+
+namespace wg {
+
+constexpr int WARPGROUPS = 2, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS, Bc = 128;
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    // src-size 0 fills the 16 bytes with zeros: rows past N cost no read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the
+// async proxy: each writing thread orders the two before the barrier that publishes it
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// 2^x in one MUFU.EX2 (see flash2_tc.cu)
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// rows [0, valid) of a ROWS × D tile (global: row-major, D contiguous) into the swizzled
+// layout above, 16 bytes per thread per pass; a thread keeps its chunk column in every
+// pass (THREADS / (D/8) rows per pass, a multiple of 8, so its swizzle is fixed too)
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_tile(unsigned s, const T* g, int valid) {
+    constexpr int CH = D / 8, RPI = THREADS / CH;
+    static_assert(RPI % 8 == 0 && ROWS % RPI == 0, "passes must cover whole 8-row groups");
+    unsigned tid;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    const int c = tid % CH, r0 = tid / CH;
+    const unsigned dst = s + (c >> 3) * (ROWS * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+#pragma unroll
+    for (int it = 0; it < ROWS / RPI; ++it) {
+        const int r = r0 + it * RPI;
+        const bool ok = r < valid;
+        cp_async16(dst + it * RPI * 128, g + (ok ? r * D + c * 8 : 0), ok);
+    }
+}
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
+// leading- and stride-dimension byte offsets, all in 16-byte units, and the swizzle mode
+// (1 = 128 bytes). For the K-major tiles (Q_i as A, K_j as B) one instruction reads 16
+// columns of one 64-column block: 8-row groups are 1024 bytes apart (SBO) and the leading
+// offset is unused. For V_j (B, MN-major) one instruction reads 16 keys × D columns:
+// 8-key groups are 1024 bytes apart (SBO), the 64-column blocks Bc·128 bytes (LBO).
+__device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4)
+         | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16
+         | (unsigned long long)((sbo >> 4) & 0x3FFF) << 32
+         | 1ull << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// The accumulators are written by the tensor cores between the issue and the wait; the
+// compiler sees them as written at the issue. Passing them through an empty asm after
+// the wait (and before the issue) keeps every other use on the right side of the wait.
+template <int R> __device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+template <typename T, int N> struct Wgmma;
+template <> struct Wgmma<__half, 64> {
+    // D (64 × 64) {+}= A B, A and B from shared memory (descriptors), both K-major
+    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
+    // D (64 × 64) += A B, A from registers (the m16n8k16 A layout per warp), B from
+    // shared memory MN-major (trans-b = 1)
+    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 64> {
+    // D (64 × 64) {+}= A B, A and B from shared memory (descriptors), both K-major
+    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
+    // D (64 × 64) += A B, A from registers (the m16n8k16 A layout per warp), B from
+    // shared memory MN-major (trans-b = 1)
+    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wgmma<__half, 128> {
+    // D (64 × 128) {+}= A B, A and B from shared memory (descriptors), both K-major
+    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
+    // D (64 × 128) += A B, A from registers (the m16n8k16 A layout per warp), B from
+    // shared memory MN-major (trans-b = 1)
+    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 128> {
+    // D (64 × 128) {+}= A B, A and B from shared memory (descriptors), both K-major
+    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
+    // D (64 × 128) += A B, A from registers (the m16n8k16 A layout per warp), B from
+    // shared memory MN-major (trans-b = 1)
+    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+
+}  // namespace wg
+
+template <typename T, int D>
+__global__ void __launch_bounds__(wg::THREADS, 1)
+flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+              const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
+              int Nq, int Nk, int left, int right, float scale_log2,
+              unsigned long long* io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace wg;
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    extern __shared__ unsigned char smem_raw[];
+    // the swizzle is a function of the address bits, so tiles start on 1024 bytes
+    const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const unsigned sQ = base;                        // Br·D
+    const unsigned sK = sQ + Br * D * 2;             // 2 buffers of Bc·D
+    const unsigned sV = sK + 2 * Bc * D * 2;         // 2 buffers of Bc·D
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp >> 2;
+    const int g = lane >> 2, tig = lane & 3;
+    // the last Q tiles first: under a causal mask they see the most keys
+    const int i = gridDim.x - 1 - blockIdx.x, p = blockIdx.y;
+    const int i0 = i * Br, rows = min(Br, Nq - i0);
+    const long long q_row = (long long)p * Nq + i0;
+    const long long kv_off = (long long)kv_index[p] * Nk * D;
+    const Band band{left, right, Nk - Nq};
+    int jlo, jhi;
+    band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+
+    if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
+        for (int x = threadIdx.x; x < rows * D; x += THREADS) O[q_row * D + x] = from_acc<T>(0.0f);
+        for (int r = threadIdx.x; r < rows; r += THREADS) L[q_row + r] = neg_inf<float>();
+        COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));    // SRAM→HBM: O_i (Br·d)
+        COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+        return;
+    }
+    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    {   // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
+        const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
+        COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
+        COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
+    }
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+
+    float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
+    float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
+    unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
+    float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max (log2 domain), rows g, g + 8
+    float l0 = 0.f, l1 = 0.f;                        // partial row sums of this thread
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
+    const int r0 = grp * 64 + (warp & 3) * 16 + g;   // this thread's rows r0, r0 + 8 in the tile
+
+    // S = Q_i K_jᵀ from K buffer kb: D/16 instructions of 64 × Bc × 16, the first
+    // overwriting S; committed as one group
+    auto issue_s = [&](unsigned kb) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned step = (kk & 3) << 5;     // 16 columns = 32 bytes into the block
+            const unsigned long long da = desc(sQ + (kk >> 2) * (Br * 128) + grp * 64 * 128 + step, 16, 1024);
+            const unsigned long long db = desc(kb + (kk >> 2) * (Bc * 128) + step, 16, 1024);
+            Wgmma<T, Bc>::ss(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+    };
+    // O_i += P V_j from V buffer vb: Bc/16 instructions of 64 × D × 16, one group
+    auto issue_pv = [&](unsigned vb) {
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk)
+            Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+        wgmma_commit();
+    };
+    // the online softmax of tile j on S: masks, updates m and ℓ, leaves P = 2^(S·scale·log2e
+    // − m) in s (fp32) and returns the factors (α) that O's rows must be scaled by
+    auto softmax = [&](int j, float& a0, float& a1) {
+        // mask ragged keys and the band, only where the tile needs it. Register 4t + e
+        // holds row r0 + 8·(e ≥ 2), key 8t + 2·tig + (e & 1) of the tile
+        const int j0 = j * Bc;
+        const bool partial = j0 + Bc > Nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
+                             || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+        if (partial) {
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = j0 + t * 8 + tig * 2 + (e & 1);
+                    const int r = i0 + r0 + (e < 2 ? 0 : 8);
+                    if (c >= Nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
+                }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * scale_log2);
+            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * scale_log2);
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {      // the 4 threads of a quad share a row
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
+        }
+        const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
+        const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
+        a0 = ex2(m0 - ms0);
+        a1 = ex2(m1 - ms1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            s[4 * t] = ex2(fmaf(s[4 * t], scale_log2, -ms0));
+            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], scale_log2, -ms0));
+            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], scale_log2, -ms1));
+            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], scale_log2, -ms1));
+            l0 += s[4 * t] + s[4 * t + 1];
+            l1 += s[4 * t + 2] + s[4 * t + 3];
+        }
+    };
+    // P to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A fragment
+    // of k-step k (rows g and g + 8)
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
+            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
+        }
+    };
+
+    // The loop overlaps the softmax of tile j with the tensor cores' O_i += P_{j−1} V_{j−1}:
+    // each step issues S_j = Q_i K_jᵀ and that product, waits for S_j only, runs the
+    // softmax while the second product runs, then waits for it and scales O_i. Loads run
+    // one step ahead: K_j and V_{j−1} are waited for at the top of step j, behind which
+    // K_{j+1} and V_j stream in. Buffers: K_j and V_j in (j − jlo) & 1.
+    load_tile<T, D, Br>(sQ, Q + q_row * D, rows);                                  // HBM→SRAM: Q_i (Br·d)
+    {
+        const int j0 = jlo * Bc;
+        load_tile<T, D, Bc>(sK, K + kv_off + (long long)j0 * D, min(Bc, Nk - j0));   // HBM→SRAM: K_j (Bc·d)
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    {
+        const int j0 = jlo * Bc;
+        load_tile<T, D, Bc>(sV, V + kv_off + (long long)j0 * D, min(Bc, Nk - j0));   // HBM→SRAM: V_j (Bc·d)
+        if (jlo < jhi)
+            load_tile<T, D, Bc>(sK + Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, Nk - j0 - Bc));
+        cp_async_commit();
+    }
+    wgmma_fence();
+    issue_s(sK);
+    wgmma_wait<0>();
+    fence_regs<Bc / 2>(s);
+    {
+        float a0, a1;                                // O_i is still 0: nothing to scale
+        softmax(jlo, a0, a1);
+    }
+    pack_p();
+
+    for (int j = jlo + 1; j <= jhi; ++j) {
+        const int buf = (j - jlo) & 1;
+        cp_async_wait<0>();                          // K_j, V_{j−1} landed (this thread's part)
+        fence_proxy_async();
+        __syncthreads();                             // ... every thread's; and the buffers of
+                                                     // step j − 2 are read by everyone
+        {
+            const int j0 = j * Bc;
+            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, V + kv_off + (long long)j0 * D, min(Bc, Nk - j0));   // HBM→SRAM: V_j (Bc·d)
+            if (j < jhi)                             // HBM→SRAM: K_{j+1} (Bc·d)
+                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, Nk - j0 - Bc));
+            cp_async_commit();
+        }
+        fence_regs<Bc / 2>(s);
+        fence_regs<D / 2>(o);
+        wgmma_fence();
+        issue_s(sK + buf * Bc * D * 2);
+        issue_pv(sV + (buf ^ 1) * Bc * D * 2);
+        wgmma_wait<1>();                             // S_j is done, P_{j−1} V_{j−1} may run on
+        fence_regs<Bc / 2>(s);
+        float a0, a1;
+        softmax(j, a0, a1);
+        wgmma_wait<0>();
+        fence_regs<D / 2>(o);
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk)         // the product has read P_{j−1}: only now
+            asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+            o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+        }
+        pack_p();
+    }
+    cp_async_wait<0>();                              // V_jhi landed
+    fence_proxy_async();
+    __syncthreads();
+    fence_regs<D / 2>(o);
+    wgmma_fence();
+    issue_pv(sV + ((jhi - jlo) & 1) * Bc * D * 2);
+    wgmma_wait<0>();
+    fence_regs<D / 2>(o);
+
+    // finish: reduce ℓ over the quad, divide once, write O_i and L_i
+    T* Oi = O + q_row * D;
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffff, l0, off);
+        l1 += __shfl_xor_sync(0xffffffff, l1, off);
+    }
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int c = t * 8 + tig * 2;
+        if (r0 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
+        if (r1 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
+    }
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
+#else
+    // built for a target without wgmma: flashsim/gpu.py launches this kernel only on sm_90a
+    __trap();
+#endif
+}
