@@ -1,8 +1,9 @@
 """One launch of each tensor-core kernel at one of the benchmark's shapes (default d = 128,
-N = 4096, float16, no mask), for Nsight Compute:
+N = 4096, float16, no mask), for Nsight Compute; on a compute capability 9.0 device the
+Hopper forward (flash2_fwd_wg) runs first:
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-        --section Occupancy --section MemoryWorkloadAnalysis -k regex:"flash2_(fwd|bwd)_tc" -c 2 \
+        --section Occupancy --section MemoryWorkloadAnalysis -k regex:"flash2_(fwd|bwd)_(tc|wg)" -c 3 \
         python3 analysis/profile_tc.py [--d 128] [--n 4096] [--dtype bfloat16] [--causal] [--sdpa]
 
 With --sdpa, PyTorch SDPA's flash kernels run too (add them to -k, e.g.
@@ -41,6 +42,8 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         q, k, v, do = (cp.asarray(rng.standard_normal((B, H, a.n, a.d)).astype(np.float16))
                        for _ in range(4))
+    if cp.cuda.Device().compute_capability == "90":      # the Hopper forward, flash2_fwd_wg
+        fs.gpu.attention(q, k, v, causal=a.causal, kernel="wg")
     out, lse = fs.gpu.attention(q, k, v, causal=a.causal, kernel="tc")
     fs.gpu.attention_backward(q, k, v, out, lse, do, causal=a.causal, kernel="tc")
     cp.cuda.Device().synchronize()

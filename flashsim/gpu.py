@@ -528,9 +528,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
-    float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128), "tc" the tensor-core kernel
-    (mma.sync, Ampere and later; float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128 at
-    d = 64 on sm_90, else 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256,
+    float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128, 128×64 at d = 64), "tc" the
+    tensor-core kernel (mma.sync, Ampere and later; float16/bfloat16, d = dv ∈ {64, 128},
+    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256,
     any tiles), or "auto" (default): the first of "wg", "tc", "ref" that supports the
     inputs on this device, with tiles that fit its shared memory.
     """

@@ -63,9 +63,10 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
     return (TC_BWD_BLOCKS_AMPERE if cc_major < 9 else TC_BWD_BLOCKS)[d]
 
 
-# The Hopper rung (flash2_wg.cu, forward only): warpgroup MMAs, 2 warpgroups of 64 rows.
+# The Hopper rung (flash2_wg.cu, forward only): warpgroup MMAs, 2 warpgroups of 64 rows;
+# at d = 64 two CTAs of 64-key tiles share an SM (kernels_cu/NOTES.md, v7)
 WG_HEAD_DIMS = (64, 128)
-WG_BLOCKS = {64: (128, 128), 128: (128, 128)}
+WG_BLOCKS = {64: (128, 64), 128: (128, 128)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
 

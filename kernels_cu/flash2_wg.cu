@@ -2,7 +2,8 @@
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
 //   flash2_fwd_wg<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
-//                        tiles Br × Bc = 128 × 128. Over flash2_fwd_tc it changes how the
+//                        tiles Br × Bc = 128 × 128 (D = 128), 128 × 64 (D = 64, two CTAs
+//                        per SM). Over flash2_fwd_tc it changes how the
 //                        products run:
 //                        - wgmma.mma_async m64nNk16: a warpgroup (4 warps) issues one
 //                          instruction for a 64 × N × 16 product and the tensor cores run
@@ -25,7 +26,22 @@
 
 namespace wg {
 
-constexpr int WARPGROUPS = 2, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS, Bc = 128;
+// The shipped tiles (flashsim/kernels.py's WG_BLOCKS): two warpgroups (Br = 128); at
+// D = 128 Bc = 128, one CTA per SM (189 registers); at D = 64 Bc = 64 and two CTAs per SM
+// (108 registers, 48 KB of shared memory each), +9–18% over one CTA of Bc = 128 on an
+// H100 (kernels_cu/NOTES.md, v7). The macros override them for tuning (0 = the default).
+#ifndef FLASHSIM_WG_WARPGROUPS
+#define FLASHSIM_WG_WARPGROUPS 2
+#endif
+#ifndef FLASHSIM_WG_BC
+#define FLASHSIM_WG_BC 0
+#endif
+#ifndef FLASHSIM_WG_MINB
+#define FLASHSIM_WG_MINB 0
+#endif
+constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS;
+template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 64 ? 64 : 128); }
+template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D == 64 ? 2 : 1); }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -69,14 +85,15 @@ template <> __device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, fl
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(unsigned s, const T* g, int valid) {
     constexpr int CH = D / 8, RPI = THREADS / CH;
-    static_assert(RPI % 8 == 0 && ROWS % RPI == 0, "passes must cover whole 8-row groups");
+    static_assert(RPI % 8 == 0, "a pass must cover whole 8-row groups");
     unsigned tid;
     asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
     const int c = tid % CH, r0 = tid / CH;
     const unsigned dst = s + (c >> 3) * (ROWS * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
 #pragma unroll
-    for (int it = 0; it < ROWS / RPI; ++it) {
+    for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
         const int r = r0 + it * RPI;
+        if (ROWS % RPI != 0 && r >= ROWS) break;     // only when the passes overshoot
         const bool ok = r < valid;
         cp_async16(dst + it * RPI * 128, g + (ok ? r * D + c * 8 : 0), ok);
     }
@@ -249,7 +266,7 @@ template <> struct Wgmma<__nv_bfloat16, 128> {
 }  // namespace wg
 
 template <typename T, int D>
-__global__ void __launch_bounds__(wg::THREADS, 1)
+__global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int left, int right, float scale_log2,
@@ -257,6 +274,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    constexpr int Bc = bc<D>();
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address bits, so tiles start on 1024 bytes
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
