@@ -285,4 +285,8 @@ def format_build(rows: list[BuildRow], arch: str) -> str:
         build_kind = "instrumented" if r.instrumented else "fast path"
         lines.append(f"{r.kernel:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
                      f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}")
+    built = {r.kernel for r in rows}
+    for src, target in ARCH_SPECIFIC.items():
+        if built & set(SOURCES[src]):
+            lines.append(f"({', '.join(SOURCES[src])}: built for {target})")
     return "\n".join(lines)
