@@ -121,3 +121,30 @@ __device__ __forceinline__ bool count_thread() {
 #else
 #define COUNT_IO(io, which, bytes) do { (void)(io); } while (0)
 #endif
+
+// -- the forward's Q tile (tensor-core rungs) ------------------------------------------
+// A Q tile of `rows` rows (from row q_row of O, L) that sees no key writes O_i = 0 and
+// L_i = −∞ and moves nothing else; the CTA's THREADS threads share the writes.
+template <typename T, int D, int THREADS>
+__device__ __forceinline__ void fwd_tile_unseen(T* O, float* L, long long q_row, int rows,
+                                                unsigned long long* io) {
+    for (int x = threadIdx.x; x < rows * D; x += THREADS) O[q_row * D + x] = from_acc<T>(0.0f);
+    for (int r = threadIdx.x; r < rows; r += THREADS) L[q_row + r] = neg_inf<float>();
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));    // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+}
+// The traffic of the CTA of a Q tile that visits K/V tiles jlo..jhi of Bc keys, counted
+// once before the main loop, where registers are free (counts inside or after the loop
+// would hold registers the loop needs).
+template <typename T, int D>
+__device__ __forceinline__ void fwd_tile_count(unsigned long long* io, int rows, int jlo, int jhi,
+                                               int Bc, int Nk) {
+    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    {   // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
+        const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
+        COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
+        COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
+    }
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+}

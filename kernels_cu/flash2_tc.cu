@@ -235,23 +235,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        for (int x = threadIdx.x; x < rows * D; x += THREADS) O[q_row * D + x] = from_acc<T>(0.0f);
-        for (int r = threadIdx.x; r < rows; r += THREADS) L[q_row + r] = neg_inf<float>();
-        COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));    // SRAM→HBM: O_i (Br·d)
-        COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+        fwd_tile_unseen<T, D, 32 * warps<D>()>(O, L, q_row, rows, io);
         return;
     }
-
-    // the traffic of the whole CTA, counted once here, where registers are free (counts
-    // inside or after the loop hold registers the two m-tiles need)
-    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
-    {   // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
-        const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
-        COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
-        COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
-    }
-    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
-    COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
+    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, Nk);
 
     load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
     cp_async_commit();
