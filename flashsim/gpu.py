@@ -86,10 +86,17 @@ def compile_options(count_io: bool) -> tuple[str, ...]:
     return opts + (("-DFLASHSIM_COUNT_IO",) if count_io else ())
 
 
+def _headers_digest() -> str:
+    """A digest of kernels_cu/*.cuh. CuPy keys its on-disk kernel cache by the source text
+    it is given, not by the headers that text includes, so the source carries this."""
+    text = "".join(p.read_text() for p in sorted(K.kernel_dir().glob("*.cuh")))
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
 @functools.lru_cache(maxsize=None)
 def _module(source: str, count_io: bool, device: int):
     cp = _cupy()
-    code = (K.kernel_dir() / source).read_text()
+    code = (K.kernel_dir() / source).read_text() + f"\n// headers: {_headers_digest()}\n"
     if source in K.ARCH_SPECIFIC:
         return _ArchModule(source, code, count_io)
     return cp.RawModule(code=code, options=compile_options(count_io),
@@ -107,8 +114,8 @@ class _ArchModule:
         from cupy_backends.cuda.libs import nvrtc
         exprs = K.name_expressions(source)
         opts = compile_options(count_io) + (f"-arch={K.ARCH_SPECIFIC[source]}",)
-        headers = "".join(p.read_text() for p in sorted(K.kernel_dir().glob("*.cuh")))
-        key = hashlib.sha256("\0".join((code, headers, *opts, *exprs, str(nvrtc.getVersion())))
+        # code ends with the headers' digest (_module)
+        key = hashlib.sha256("\0".join((code, *opts, *exprs, str(nvrtc.getVersion())))
                              .encode()).hexdigest()[:40]
         cache = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
         path = cache / f"flashsim_{Path(source).stem}_{key}"
@@ -530,9 +537,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
     float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128, 128×64 at d = 64), "tc" the
     tensor-core kernel (mma.sync, Ampere and later; float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any dtype, d, dv ≤ 256,
-    any tiles), or "auto" (default): the first of "wg", "tc", "ref" that supports the
-    inputs on this device, with tiles that fit its shared memory.
+    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any
+    dtype, d, dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref"
+    that supports the inputs on this device, with tiles that fit its shared memory.
     """
     if not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
         fast = _torch_forward(q, k, v, causal, scale, kernel)
@@ -549,8 +556,9 @@ _PLANS: dict = {}        # (shapes, dtype, causal, scale, device, kernel) -> lau
 
 
 def _torch_forward(q, k, v, causal, scale, kernel="auto"):
-    """The tensor-core forward for contiguous CUDA tensors (B, H, Nq, d) and (B, Hk, Nk, d)
-    with Hk dividing H, float16/bfloat16, d ∈ TC_HEAD_DIMS: outputs allocated by PyTorch,
+    """The wg or tc forward (as ``kernel`` and the device allow) for contiguous CUDA
+    tensors (B, H, Nq, d) and (B, Hk, Nk, d) with Hk dividing H, float16/bfloat16,
+    d ∈ TC_HEAD_DIMS: outputs allocated by PyTorch,
     pointers passed straight to cuLaunchKernel, the launch plan cached per shape. The
     general path costs ~0.1 ms of Python per call, a third of the kernel's time at
     N = 1k. Returns None for anything else (the general path then checks and runs it)."""
@@ -689,7 +697,9 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
                        for x in (out, lse, dout))
             or any(x.data_ptr() % 16 for x in (out, dout))):
         return None
-    plan = _torch_forward_plan(q, k, v, causal, scale)     # shapes, dtype, K/V index
+    # the forward plan's shapes, dtype and K/V index; its tc forward lives in the module
+    # the backward loads anyway (an "auto" plan would build the Hopper forward for nothing)
+    plan = _torch_forward_plan(q, k, v, causal, scale, "tc")
     if plan is None:
         return None
     bwd = plan.bwd if plan.bwd is not None else _plan_torch_backward(plan, q, k)

@@ -26,7 +26,7 @@
 //                        flash2_bwd_tc_det<T, D> the same in deterministic mode.
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
-#include "common.cuh"
+#include "tensor_core.cuh"
 
 namespace tc {
 
@@ -102,10 +102,6 @@ template <> struct Mma<__half> {
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&h);
-    }
 };
 template <> struct Mma<__nv_bfloat16> {
     static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
@@ -115,38 +111,11 @@ template <> struct Mma<__nv_bfloat16> {
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
-    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<unsigned*>(&h);
-    }
 };
 
 // Shared tiles are rows of D halves in 16-byte chunks; chunk c of row r lives at chunk
 // c ^ (r & 7) (load_tile writes them so, swz_base/swz_step read them). The 8 rows an
 // ldmatrix reads then sit in 8 different bank groups.
-
-// 2^x in one MUFU.EX2: exp2f without fast-math adds a range test and two multiplies per
-// element to keep denormal results. Flushing P < 2^-126 to zero is far below rounding:
-// a row's P sums to at least 1 (forward, the maximum contributes 1) or to 1 (backward)
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    // src-size 0 fills the 16 bytes with zeros: rows past N cost no read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
-}
 
 // Addresses into a swizzled tile without per-load arithmetic. Chunk ch = 2k + h of row r
 // (k a compile-time step, h ∈ {0, 1} taken from the lane) sits at byte
@@ -353,11 +322,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 mx0 = fmaxf(mx0, fmaxf(s[mi][t][0], s[mi][t][1]) * scale_log2);
                 mx1 = fmaxf(mx1, fmaxf(s[mi][t][2], s[mi][t][3]) * scale_log2);
             }
-#pragma unroll
-            for (int off = 1; off < 4; off <<= 1) {  // the 4 threads of a quad share a row
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
-            }
+            quad_max(mx0, mx1);             // the 4 threads of a quad share a row
             const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
             const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
             const float a0 = ex2(m[mi][0] - ms0), a1 = ex2(m[mi][1] - ms1);
@@ -377,8 +342,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 const float p3 = ex2(fmaf(s[mi][t][3], scale_log2, -ms1));
                 l[mi][0] += p0 + p1;
                 l[mi][1] += p2 + p3;
-                pf[mi][t >> 1][(t & 1) * 2 + 0] = Mma<T>::pack(p0, p1);   // row g
-                pf[mi][t >> 1][(t & 1) * 2 + 1] = Mma<T>::pack(p2, p3);   // row g + 8
+                pf[mi][t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);   // row g
+                pf[mi][t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);   // row g + 8
             }
         }
 
@@ -422,21 +387,17 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     for (int mi = 0; mi < MT; ++mi) {
         const int r0 = row_end + mi * 16, r1 = r0 + 8;
         float l0 = l[mi][0], l1 = l[mi][1];
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            l0 += __shfl_xor_sync(0xffffffff, l0, off);
-            l1 += __shfl_xor_sync(0xffffffff, l1, off);
-        }
+        quad_sum(l0, l1);
         const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
 #pragma unroll
         for (int t = 0; t < D / 8; ++t) {
             const int c = t * 8 + tig * 2;
             if (r0 < rows_e)
                 *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) =
-                    Mma<T>::pack(o[mi][t][0] * inv0, o[mi][t][1] * inv0);
+                    pack<T>(o[mi][t][0] * inv0, o[mi][t][1] * inv0);
             if (r1 < rows_e)
                 *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) =
-                    Mma<T>::pack(o[mi][t][2] * inv1, o[mi][t][3] * inv1);
+                    pack<T>(o[mi][t][2] * inv1, o[mi][t][3] * inv1);
         }
         if (tig == 0) {
             constexpr float LN2 = 0.6931471805599453f;
@@ -661,10 +622,10 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
                         dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x));
                     }
                     T* pr = sP + (k0 + mt * 16) * SPS + qc;
-                    *reinterpret_cast<unsigned*>(pr) = Mma<T>::pack(pv[0], pv[1]);
-                    *reinterpret_cast<unsigned*>(pr + 8 * SPS) = Mma<T>::pack(pv[2], pv[3]);
-                    *reinterpret_cast<unsigned*>(pr + Bc * SPS) = Mma<T>::pack(dsv[0], dsv[1]);
-                    *reinterpret_cast<unsigned*>(pr + Bc * SPS + 8 * SPS) = Mma<T>::pack(dsv[2], dsv[3]);
+                    *reinterpret_cast<unsigned*>(pr) = pack<T>(pv[0], pv[1]);
+                    *reinterpret_cast<unsigned*>(pr + 8 * SPS) = pack<T>(pv[2], pv[3]);
+                    *reinterpret_cast<unsigned*>(pr + Bc * SPS) = pack<T>(dsv[0], dsv[1]);
+                    *reinterpret_cast<unsigned*>(pr + Bc * SPS + 8 * SPS) = pack<T>(dsv[2], dsv[3]);
                 }
             }
         }
@@ -775,12 +736,12 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
         for (int t = 0; t < DN; ++t) {
             const int c = wh * (D / 2) + t * 8 + tig * 2;
             if (r0 < cols) {
-                *reinterpret_cast<unsigned*>(dKj + (long long)r0 * D + c) = Mma<T>::pack(scale * dk[mt][t][0], scale * dk[mt][t][1]);
-                *reinterpret_cast<unsigned*>(dVj + (long long)r0 * D + c) = Mma<T>::pack(dv[mt][t][0], dv[mt][t][1]);
+                *reinterpret_cast<unsigned*>(dKj + (long long)r0 * D + c) = pack<T>(scale * dk[mt][t][0], scale * dk[mt][t][1]);
+                *reinterpret_cast<unsigned*>(dVj + (long long)r0 * D + c) = pack<T>(dv[mt][t][0], dv[mt][t][1]);
             }
             if (r1 < cols) {
-                *reinterpret_cast<unsigned*>(dKj + (long long)r1 * D + c) = Mma<T>::pack(scale * dk[mt][t][2], scale * dk[mt][t][3]);
-                *reinterpret_cast<unsigned*>(dVj + (long long)r1 * D + c) = Mma<T>::pack(dv[mt][t][2], dv[mt][t][3]);
+                *reinterpret_cast<unsigned*>(dKj + (long long)r1 * D + c) = pack<T>(scale * dk[mt][t][2], scale * dk[mt][t][3]);
+                *reinterpret_cast<unsigned*>(dVj + (long long)r1 * D + c) = pack<T>(dv[mt][t][2], dv[mt][t][3]);
             }
         }
     }

@@ -17,18 +17,22 @@
 //                        - shared tiles in the 128-byte swizzle the tensor cores read:
 //                          rows of 64 halves (128 bytes), 16-byte chunk c of row r at
 //                          c ^ (r & 7), a tile of D columns as D/64 such column blocks;
-//                        - loads as in flash2_tc.cu: 16-byte cp.async, K and V
-//                          double-buffered, each tile waited for separately.
+//                        - each step issues S_j = Q_i K_jᵀ and O_i += P_{j−1} V_{j−1}
+//                          together and waits for S_j alone: the softmax of tile j runs
+//                          while the tensor cores do the second product;
+//                        - loads as in flash2_tc.cu (16-byte cp.async, K and V
+//                          double-buffered), one step ahead: K_{j+1} and V_j stream in
+//                          behind step j.
 // Needs sm_90a (flashsim/gpu.py compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
-#include "common.cuh"
+#include "tensor_core.cuh"
 
 namespace wg {
 
 // The shipped tiles (flashsim/kernels.py's WG_BLOCKS): two warpgroups (Br = 128); at
 // D = 128 Bc = 128, one CTA per SM (189 registers); at D = 64 Bc = 64 and two CTAs per SM
-// (108 registers, 48 KB of shared memory each), +9–18% over one CTA of Bc = 128 on an
+// (108 registers, 49 KB of shared memory each), +9–18% over one CTA of Bc = 128 on an
 // H100 (kernels_cu/NOTES.md, v7). The macros override them for tuning (0 = the default).
 #ifndef FLASHSIM_WG_WARPGROUPS
 #define FLASHSIM_WG_WARPGROUPS 2
@@ -43,40 +47,10 @@ constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, B
 template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 64 ? 64 : 128); }
 template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D == 64 ? 2 : 1); }
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-    // src-size 0 fills the 16 bytes with zeros: rows past N cost no read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
 // cp.async writes shared memory through the generic proxy, wgmma reads it through the
 // async proxy: each writing thread orders the two before the barrier that publishes it
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// 2^x in one MUFU.EX2 (see flash2_tc.cu)
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack<__half>(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
 }
 
 // rows [0, valid) of a ROWS × D tile (global: row-major, D contiguous) into the swizzled
@@ -291,11 +265,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * scale_log2);
             mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * scale_log2);
         }
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {      // the 4 threads of a quad share a row
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffff, mx0, off));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffff, mx1, off));
-        }
+        quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
         const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
         const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
         a0 = ex2(m0 - ms0);
@@ -399,11 +369,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i
     T* Oi = O + q_row * D;
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffff, l0, off);
-        l1 += __shfl_xor_sync(0xffffffff, l1, off);
-    }
+    quad_sum(l0, l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     const int r1 = r0 + 8;
 #pragma unroll

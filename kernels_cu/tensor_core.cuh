@@ -1,0 +1,62 @@
+// Helpers shared by the tensor-core rungs (flash2_tc.cu, flash2_wg.cu): shared-memory
+// addresses, 16-byte cp.async, exp2 in one instruction, and packing two fp32 values into
+// the I/O type's pair.
+#pragma once
+
+#include "common.cuh"
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global → shared (dst a shared-space address); src-size 0 fills the 16 bytes
+// with zeros: rows past N cost no read
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    cp_async16(smem_addr(dst), src, valid);
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// 2^x in one MUFU.EX2: exp2f without fast-math adds a range test and two multiplies per
+// element to keep denormal results. Flushing P < 2^-126 to zero is far below rounding:
+// a row's P sums to at least 1 (forward, the maximum contributes 1) or to 1 (backward)
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// (lo, hi) rounded to T and packed into one register, lo in the low half: the layout of
+// an MMA operand pair
+template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// The 4 threads of an MMA quad hold one row's columns (rows g and g + 8 for the pair):
+// each row's max, or sum, over the quad, left in all four threads
+__device__ __forceinline__ void quad_max(float& r0, float& r1) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        r0 = fmaxf(r0, __shfl_xor_sync(0xffffffff, r0, off));
+        r1 = fmaxf(r1, __shfl_xor_sync(0xffffffff, r1, off));
+    }
+}
+__device__ __forceinline__ void quad_sum(float& r0, float& r1) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        r0 += __shfl_xor_sync(0xffffffff, r0, off);
+        r1 += __shfl_xor_sync(0xffffffff, r1, off);
+    }
+}
