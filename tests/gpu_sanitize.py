@@ -7,8 +7,9 @@
 (racecheck is the slowest tool: `python3 tests/gpu_sanitize.py 3` runs 3 shapes.)
 
 Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
-fast and the instrumented builds, every rung that runs on the device, forward and backward (the instrumented one in the
-deterministic mode, whose tiles take turns adding into dQ).
+fast and the instrumented builds, every rung that runs on the device, forward and
+backward (the instrumented one in the deterministic mode, whose tiles take turns adding
+into dQ).
 """
 
 import sys
