@@ -1,17 +1,22 @@
-"""The HBM model held against hardware counters: DRAM bytes our kernels really move.
+"""The three-level model (flashsim.hierarchy) held against Nsight Compute's counters.
 
-    python3 analysis/model_vs_hardware.py [--quick] [--out analysis/out]
+    python3 analysis/model_vs_hardware.py [--quick] [--out analysis/out]     # on a GPU
+    python3 analysis/model_vs_hardware.py --from-json analysis/out/model_vs_hardware.json
 
-Runs itself under Nsight Compute (`ncu --clock-control none --cache-control all
---metrics dram__bytes_read.sum,dram__bytes_write.sum`; `--cache-control all` flushes L2
-before every profiled launch) over a sweep of forward launches of both kernels (the
-reference rung and the tensor-core rung): N from 1k to 64k, 1 to 64 heads, d = 64 and
-128, causal and not, float16. Beside each measured count it puts the simulator's HBM
-prediction for the same tiling (`fs.count("flash2", block_sizes=<the kernel's>)`) and
-the compulsory traffic (`fs.theory.compulsory`: Q, K, V read once, O and L written once).
-Expect measured bytes between the two: the model counts every K/V re-read, and L2 (50 MB
-on an H100) absorbs many of them. Writes model_vs_hardware.md and .json.
-Needs a CUDA GPU, CuPy and ncu.
+Runs itself under Nsight Compute (`ncu --clock-control none --cache-control all`, which
+flushes L2 before every profiled launch) over forward launches of every rung (wg, tc,
+ref) and backward launches (pre-pass, main kernel, post-pass; atomic and deterministic),
+N from 1k to 256k, 1 to 64 heads, GQA, d = 64 and 128, causal and not, float16; reads
+DRAM bytes read and written, L2 sectors read, written and reduced (from the SMs) and the
+kernel's duration; and puts beside each the prediction of
+`fs.count(..., hardware=<the device's preset>)` (three levels and time) for the same
+launch. ``--probe`` also measures the L2's read bandwidth and how many bytes it keeps
+between two passes over a buffer. ``--from-json`` rebuilds the tables from a saved run
+(no GPU: the model is recomputed, the measurements are read back).
+
+η, the fraction of peak FLOP/s each kernel's inner loop sustains (`hierarchy.EFFICIENCY`),
+is calibrated on the rows marked "calib" (N = 16384, 8 heads, no mask) and printed as
+``eta_measured`` for every row; the time errors are reported over the other rows.
 """
 
 from __future__ import annotations
@@ -29,66 +34,159 @@ import tempfile
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from _common import ROOT, out_file, write_json, write_text  # (puts the repository root on sys.path)
+
 import flashsim as fs  # noqa: E402
+from flashsim import hierarchy  # noqa: E402
 
-# (kernel, N, heads, d, causal); batch 1
+# (direction, kernel, N, heads, kv heads, d, causal, deterministic); batch 1, float16.
+# kernel is the rung: wg / tc / ref. "calib" rows set η.
 CONFIGS = [
-    ("tc", 1024, 16, 64, False), ("tc", 4096, 16, 64, False), ("tc", 4096, 16, 64, True),
-    ("tc", 8192, 8, 128, False), ("tc", 16384, 4, 128, False), ("tc", 16384, 4, 128, True),
-    ("tc", 2048, 64, 128, False), ("tc", 65536, 1, 64, False), ("tc", 65536, 1, 128, True),
-    ("ref", 1024, 16, 64, False), ("ref", 4096, 4, 64, True), ("ref", 4096, 16, 128, False),
-    ("ref", 16384, 1, 128, False), ("ref", 65536, 1, 64, True),
+    ("fwd", "wg", 1024, 16, 16, 64, False, False),
+    ("fwd", "wg", 4096, 16, 16, 64, True, False),
+    ("fwd", "wg", 16384, 8, 8, 64, False, False),
+    ("fwd", "wg", 16384, 8, 8, 128, False, False),
+    ("fwd", "wg", 2048, 64, 8, 128, False, False),
+    ("fwd", "wg", 65536, 1, 1, 128, True, False),
+    ("fwd", "wg", 98304, 1, 1, 128, False, False),
+    ("fwd", "wg", 131072, 1, 1, 128, False, False),
+    ("fwd", "wg", 131072, 1, 1, 128, True, False),
+    ("fwd", "wg", 262144, 1, 1, 128, False, False),
+    ("fwd", "wg", 262144, 1, 1, 128, True, False),
+    ("fwd", "wg", 262144, 1, 1, 64, False, False),
+    ("fwd", "tc", 16384, 8, 8, 64, False, False),
+    ("fwd", "tc", 16384, 8, 8, 128, False, False),
+    ("fwd", "tc", 65536, 1, 1, 128, True, False),
+    ("fwd", "tc", 131072, 1, 1, 128, False, False),
+    ("fwd", "tc", 4096, 32, 4, 64, True, False),
+    ("fwd", "ref", 4096, 4, 4, 64, False, False),
+    ("fwd", "ref", 8192, 1, 1, 128, True, False),
+    ("bwd", "tc", 16384, 8, 8, 64, False, False),
+    ("bwd", "tc", 16384, 8, 8, 128, False, False),
+    ("bwd", "tc", 65536, 1, 1, 128, True, False),
+    ("bwd", "tc", 131072, 1, 1, 128, False, False),
+    ("bwd", "tc", 262144, 1, 1, 64, True, False),
+    ("bwd", "tc", 4096, 32, 4, 64, True, False),
+    ("bwd", "tc", 16384, 8, 8, 64, False, True),
+    ("bwd", "tc", 16384, 8, 8, 128, False, True),
+    ("bwd", "tc", 65536, 1, 1, 128, True, True),
+    ("bwd", "ref", 4096, 4, 4, 64, False, False),
 ]
-QUICK = [c for c in CONFIGS if c[1] <= 4096]
-METRICS = "dram__bytes_read.sum,dram__bytes_write.sum"
+QUICK = [c for c in CONFIGS if c[2] * c[3] <= 65536 and c[1] != "ref"][:6]
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum",
+           "lts__t_sectors_srcunit_tex_op_read.sum", "lts__t_sectors_srcunit_tex_op_write.sum",
+           "lts__t_sectors_srcunit_tex_op_red.sum", "lts__t_sectors_srcunit_tex_op_atom.sum",
+           "gpu__time_duration.sum")
+SECTOR = 32
+PROBE_MB = (8, 16, 24, 32, 40, 48, 56, 64, 80)
 
+
+def is_calib(cfg) -> bool:
+    return cfg[2] == 16384 and cfg[3] == 8 and not cfg[6]
+
+
+def preset_for(gpu_name: str):
+    for key in ("H200", "H100", "A100"):
+        if key in gpu_name:
+            return fs.hardware.PRESETS[key]
+    raise SystemExit(f"no flashsim.hardware preset for {gpu_name!r}")
+
+
+# -- the profiled process -------------------------------------------------------------
 
 def launch(configs):
-    """Run each configuration's forward once (what ncu profiles)."""
+    """Run each configuration once (what ncu profiles): a backward row first runs its
+    forward for out and lse (profiled too, and set aside)."""
     import cupy as cp
     rng = np.random.default_rng(0)
-    for kernel, N, H, d, causal in configs:
-        q, k, v = (cp.asarray(rng.standard_normal((1, H, N, d)).astype(np.float16))
-                   for _ in range(3))
-        fs.gpu.attention(q, k, v, causal=causal, kernel=kernel)
+    for direction, kernel, N, H, Hk, d, causal, det in configs:
+        q = cp.asarray(rng.standard_normal((1, H, N, d), dtype=np.float32).astype(np.float16))
+        k, v = (cp.asarray(rng.standard_normal((1, Hk, N, d), dtype=np.float32).astype(np.float16))
+                for _ in range(2))
+        fwd_kernel = kernel if direction == "fwd" else ("tc" if kernel == "tc" else "ref")
+        out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=fwd_kernel)
+        if direction == "bwd":
+            dout = cp.asarray(rng.standard_normal((1, H, N, d), dtype=np.float32).astype(np.float16))
+            fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, kernel=kernel,
+                                      deterministic=det)
+        cp.cuda.Device().synchronize()
+        del q, k, v, out, lse
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+PROBE_SRC = r"""
+extern "C" __global__ void probe_read(const int4* __restrict__ x, long long n, int passes,
+                                      long long shift, int* out) {
+    // every pass reads all n 16-byte words, bypassing L1 (ld.global.cg); passes after the
+    // first start ``shift`` words further on, so a thread reads what another SM loaded
+    long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    int acc = 0;
+    for (int p = 0; p < passes; ++p) {
+        long long off = p == 0 ? 0 : shift;
+        for (long long i = tid; i < n; i += stride) {
+            int4 w = __ldcg(&x[(i + off) % n]);
+            acc ^= w.x ^ w.y ^ w.z ^ w.w;
+        }
+    }
+    if (acc == 0x7fffffff) out[0] = acc;
+}
+"""
+
+
+def probe_kernel():
+    import cupy as cp
+    return cp.RawKernel(PROBE_SRC, "probe_read")
+
+
+def probe_launch():
+    """Two passes over buffers of PROBE_MB megabytes, same and shifted mapping (ncu reads
+    the DRAM bytes of each)."""
+    import cupy as cp
+    fn = probe_kernel()
+    out = cp.zeros(1, cp.int32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    for mb in PROBE_MB:
+        n = mb * 10**6 // 16
+        x = cp.asarray(np.random.default_rng(mb).integers(0, 2**31, size=4 * n, dtype=np.int32))
+        for shift in (0, n // 2):
+            fn((sms * 4,), (256,), (x, np.int64(n), np.int32(2), np.int64(shift), out))
         cp.cuda.Device().synchronize()
 
 
-def predict(kernel, N, H, d, causal):
+def probe_bandwidth():
+    """L2 read bandwidth (16 MB buffer, 50 passes) and DRAM read bandwidth (2 GB, 3 passes)
+    timed with CUDA events, after a warm-up."""
     import cupy as cp
-    probe = cp.zeros((1, 1, 1, d), cp.float16)
-    blocks = fs.gpu.block_sizes(probe, probe, kernel=kernel)
-    model = fs.count("flash2", Nq=N, Nk=N, d=d, batch_shape=(1, H), block_sizes=blocks,
-                     causal=causal, io_dtype="float16")
-    low = fs.theory.compulsory(Nq=N, Nk=N, d=d, itemsize=2, problems=H)
-    return blocks, model, low
+    fn = probe_kernel()
+    out = cp.zeros(1, cp.int32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    res = {}
+    for name, mb, passes in (("l2_read_bytes_per_s", 16, 50), ("dram_read_bytes_per_s", 2000, 3)):
+        n = mb * 10**6 // 16
+        x = cp.asarray(np.random.default_rng(1).integers(0, 2**31, size=4 * n, dtype=np.int32))
+        times = []
+        for _ in range(6):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn((sms * 8,), (256,), (x, np.int64(n), np.int32(passes), np.int64(0), out))
+            b.record()
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        res[name] = passes * n * 16 / float(np.median(times[1:]))
+        del x
+    return res
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "analysis", "out"))
-    ap.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    configs = QUICK if a.quick else CONFIGS
-    if a.launch:
-        launch(configs)
-        return 0
-    if not fs.gpu.available():
-        print("model_vs_hardware needs a CUDA GPU and CuPy (pip install \"flashsim[cuda12]\")")
-        return 2
+# -- ncu ------------------------------------------------------------------------------
+
+def run_ncu(args: list[str], regex: str) -> list[dict]:
     ncu = shutil.which("ncu")
-    if ncu is None:
-        print("model_vs_hardware needs Nsight Compute's ncu on PATH")
-        return 2
-    launch(configs[:1])                       # compile the modules outside the profile
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "ncu.csv")
-        cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "--metrics", METRICS,
-               "-k", "regex:flash2_fwd", "--csv", "--print-units", "base", "--log-file", log,
-               sys.executable, os.path.abspath(__file__), "--launch"] + (["--quick"] if a.quick else [])
+        cmd = [ncu, "--clock-control", "none", "--cache-control", "all", "--metrics",
+               ",".join(METRICS), "-k", f"regex:{regex}", "--csv", "--print-units", "base",
+               "--log-file", log, sys.executable, os.path.abspath(__file__)] + args
         subprocess.run(cmd, check=True)
         text = open(log).read()
     rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
@@ -96,45 +194,207 @@ def main(argv=None):
     for r in rows:
         by_id.setdefault(r["ID"], {"kernel": r["Kernel Name"]})[r["Metric Name"]] = \
             float(r["Metric Value"].replace(",", ""))
-    measured = [by_id[i] for i in sorted(by_id, key=int)]
-    if len(measured) != len(configs):
-        raise RuntimeError(f"ncu profiled {len(measured)} launches, expected {len(configs)}")
+    return [by_id[i] for i in sorted(by_id, key=int)]
+
+
+def kernel_base(name: str) -> str:
+    import re
+    m = re.search(r"(flash2_\w+|probe_read)", name)
+    return m.group(1) if m else name
+
+
+# -- prediction and tables --------------------------------------------------------------
+
+def predict(cfg, hw):
+    direction, kernel, N, H, Hk, d, causal, det = cfg
+    kw = dict(Nq=N, Nk=N, d=d, batch_shape=(1, H), kv_batch_shape=(1, Hk), causal=causal,
+              io_dtype="float16", hardware=hw, launch=kernel)
+    if direction == "fwd":
+        return fs.count("flash2", **kw)
+    return fs.count_backward("flash2", deterministic=det, **kw)
+
+
+def measured_of(m: dict) -> dict:
+    return {"dram_read": m["dram__bytes_read.sum"], "dram_write": m["dram__bytes_write.sum"],
+            "l2_read": m["lts__t_sectors_srcunit_tex_op_read.sum"] * SECTOR,
+            "l2_write": m["lts__t_sectors_srcunit_tex_op_write.sum"] * SECTOR,
+            "l2_red": (m["lts__t_sectors_srcunit_tex_op_red.sum"]
+                       + m["lts__t_sectors_srcunit_tex_op_atom.sum"]) * SECTOR,
+            "time_s": m["gpu__time_duration.sum"] * 1e-9, "ncu_kernel": m["kernel"]}
+
+
+def build_rows(configs, measured: list[dict], hw) -> list[dict]:
+    """One row per profiled kernel of interest, prediction beside measurement."""
+    rows, it = [], iter(measured)
+    for cfg in configs:
+        pred = predict(cfg, hw)
+        if cfg[0] == "bwd":
+            next(it)                                     # the forward that made out, lse
+        for lp in pred.launches:
+            m = next(it)
+            if kernel_base(m["ncu_kernel"]) != lp.launch.kernel:
+                raise RuntimeError(f"expected {lp.launch.kernel}, ncu saw {m['ncu_kernel']}")
+            lv = lp.levels
+            F = hierarchy.step_flops(lp.launch, hierarchy_shape(cfg))
+            eta = (lp.makespan * F / (hw.peak_flops / lp.launch.slots) / m["time_s"]
+                   if F else None)
+            rows.append({
+                "direction": cfg[0], "rung": cfg[1], "N": cfg[2], "heads": cfg[3],
+                "kv_heads": cfg[4], "d": cfg[5], "causal": cfg[6], "deterministic": cfg[7],
+                "calib": is_calib(cfg) and lp.launch.phase in ("forward", "backward-main"),
+                "kernel": lp.launch.kernel, "grid": list(lp.launch.grid),
+                "ctas_per_sm": lp.launch.ctas_per_sm, "waves": lp.launch.waves,
+                "Br": lp.launch.Br, "Bc": lp.launch.Bc, "superblock": lp.superblock,
+                "kv_bytes_per_head": cfg[2] * cfg[5] * 2 * 2,
+                "pred_dram_read": lv.dram.read_bytes + lv.dram.reduce_bytes,
+                "pred_dram_write": lv.dram.write_bytes,
+                "pred_l2_read": lv.sm_l2.read_bytes, "pred_l2_write": lv.sm_l2.write_bytes,
+                "pred_l2_red": lv.sm_l2.reduce_bytes,
+                "two_level_read": None, "two_level_write": None,
+                "compulsory_read": lv.compulsory.read_bytes,
+                "compulsory_write": lv.compulsory.write_bytes,
+                "pred_writeback": lp.writeback.total_bytes,
+                "pred_time_s": lp.time_s, "pred_time_parts": lp.time_parts,
+                "eta_measured": eta, **measured_of_row(m)})
+        two = pred.traffic
+        rows[-len(pred.launches)]["two_level_read"] = two.read_bytes
+        rows[-len(pred.launches)]["two_level_write"] = two.write_bytes
+    return rows
+
+
+def measured_of_row(m):
+    return {k: v for k, v in m.items() if k.startswith(("dram", "l2", "time", "ncu"))}
+
+
+def hierarchy_shape(cfg):
+    from flashsim.problem import make_shape
+    return make_shape(Nq=cfg[2], Nk=cfg[2], d=cfg[5], batch_shape=(1, cfg[3]),
+                      kv_batch_shape=(1, cfg[4]))
+
+
+def ratio(a, b):
+    return a / b if b else (1.0 if a == b else float("inf"))
+
+
+def summarize(rows):
+    """|measured/predicted − 1| by quantity: (mean, max, rows). DRAM rows where at least
+    1 MB is predicted; time rows not used to calibrate η."""
+    def errs(key_m, key_p, sel):
+        out = [abs(ratio(r[key_m], r[key_p]) - 1) for r in rows if sel(r)]
+        return (float(np.mean(out)), float(np.max(out)), len(out)) if out else (0.0, 0.0, 0)
+    return {
+        "DRAM read": errs("dram_read", "pred_dram_read", lambda r: r["pred_dram_read"] >= 1e6),
+        "DRAM write": errs("dram_write", "pred_dram_write", lambda r: r["pred_dram_write"] >= 1e6),
+        "L2 read": errs("l2_read", "pred_l2_read", lambda r: r["pred_l2_read"] > 0),
+        "L2 write": errs("l2_write", "pred_l2_write", lambda r: r["pred_l2_write"] > 0),
+        "L2 reduce": errs("l2_red", "pred_l2_red", lambda r: r["pred_l2_red"] > 0),
+        "time": errs("time_s", "pred_time_s", lambda r: not r["calib"]),
+    }
+
+
+def render(rows, meta) -> str:
+    MB = 1e6
+    s = summarize(rows)
+    md = [f"# The three-level model against Nsight Compute — {meta['gpu']}, {meta['date']}", "",
+          f"`{meta['ncu']}` (L2 flushed before each launch), float16, batch 1, one row per "
+          f"kernel launch. Prediction: `fs.count(..., hardware=fs.hardware.{meta['preset']}, "
+          "launch=<rung>)` / `fs.count_backward(...)`, the three-level model of "
+          "`flashsim.hierarchy` with the hardware preset alone (no fitted traffic "
+          "parameter). DRAM = `dram__bytes_{read,write}.sum`; L2 = sectors from the SMs "
+          "(`lts__t_sectors_srcunit_tex_op_{read,write,red+atom}.sum` × 32 B); time = "
+          "`gpu__time_duration.sum`. MB = 10⁶ bytes; m/p = measured ÷ predicted. K/V MB = "
+          "one head's K + V; ★ where it exceeds L2. η calibrated on the rows marked calib.", "",
+          "| dir | kernel | N | heads (kv) | d | causal | waves | K/V MB | DRAM read MB meas | pred | m/p "
+          "| DRAM write MB meas | pred | m/p | L2 read MB meas | pred | m/p | L2 red MB meas | pred "
+          "| time ms meas | pred | m/p |",
+          "|" + "---|" * 23]
+    for r in rows:
+        star = " ★" if r["kv_bytes_per_head"] > meta["l2_bytes"] else ""
+        calib = " calib" if r["calib"] else ""
+        det = " det" if r["deterministic"] else ""
+        md.append(
+            f"| {r['direction']}{det} | {r['kernel']}{calib} | {r['N']} | {r['heads']} ({r['kv_heads']}) "
+            f"| {r['d']} | {'yes' if r['causal'] else 'no'} | {r['waves']:.2f} "
+            f"| {r['kv_bytes_per_head'] / MB:.1f}{star} "
+            f"| {r['dram_read'] / MB:.1f} | {r['pred_dram_read'] / MB:.1f} "
+            f"| {ratio(r['dram_read'], r['pred_dram_read']):.3f} "
+            f"| {r['dram_write'] / MB:.1f} | {r['pred_dram_write'] / MB:.1f} "
+            f"| {ratio(r['dram_write'], r['pred_dram_write']):.3f} "
+            f"| {r['l2_read'] / MB:.1f} | {r['pred_l2_read'] / MB:.1f} "
+            f"| {ratio(r['l2_read'], r['pred_l2_read']):.3f} "
+            f"| {r['l2_red'] / MB:.1f} | {r['pred_l2_red'] / MB:.1f} "
+            f"| {r['time_s'] * 1e3:.3f} | {r['pred_time_s'] * 1e3:.3f} "
+            f"| {ratio(r['time_s'], r['pred_time_s']):.2f} |")
+    md += ["", "Errors |m/p − 1| (mean, max, rows; DRAM rows with ≥ 1 MB predicted, time "
+           "rows not used for calibration):", ""]
+    for k, (mean, mx, n) in s.items():
+        md.append(f"- {k}: mean {mean:.1%}, max {mx:.1%} over {n} rows")
+    return "\n".join(md) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="also measure L2 bandwidth and retention")
+    ap.add_argument("--out", default=os.path.join(ROOT, "analysis", "out"))
+    ap.add_argument("--name", default="model_vs_hardware", help="output file stem")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="rebuild the tables from a saved run (no GPU)")
+    ap.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-launch", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    configs = QUICK if a.quick else CONFIGS
+    if a.launch:
+        launch(configs)
+        return 0
+    if a.probe_launch:
+        probe_launch()
+        return 0
+    if a.from_json:
+        saved = json.load(open(a.from_json))
+        meta = saved["meta"]
+        cfgs = [tuple(c) for c in meta["configs"]]
+        hw = fs.hardware.PRESETS[meta["preset"]]
+        rows = build_rows(cfgs, saved["measured"], hw)
+        return finish(a, rows, meta, saved["measured"], saved.get("probe"))
+    if not fs.gpu.available():
+        print("model_vs_hardware needs a CUDA GPU and CuPy (pip install \"flashsim[cuda12]\")")
+        return 2
+    if shutil.which("ncu") is None:
+        print("model_vs_hardware needs Nsight Compute's ncu on PATH")
+        return 2
     import cupy as cp
     props = cp.cuda.runtime.getDeviceProperties(0)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    table = []
-    for cfg, m in zip(configs, measured):
-        blocks, model, low = predict(*cfg)
-        rd, wr = m["dram__bytes_read.sum"], m["dram__bytes_write.sum"]
-        table.append({"kernel": cfg[0], "N": cfg[1], "heads": cfg[2], "d": cfg[3],
-                      "causal": cfg[4], "Br": blocks[0], "Bc": blocks[1],
-                      "measured_read": rd, "measured_write": wr,
-                      "model_read": model.read_bytes, "model_write": model.write_bytes,
-                      "compulsory_read": low.read_bytes, "compulsory_write": low.write_bytes,
-                      "ncu_kernel": m["kernel"]})
-    os.makedirs(a.out, exist_ok=True)
-    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
-            "ncu": f"ncu --clock-control none --cache-control all --metrics {METRICS}",
-            "dtype": "float16", "batch": 1}
-    with open(os.path.join(a.out, "model_vs_hardware.json"), "w") as f:
-        json.dump({"meta": meta, "rows": table}, f, indent=1)
-    MB = 1e6
-    md = [f"# Model vs hardware: DRAM bytes of the forward kernels — {gpu}, {meta['date']}", "",
-          f"`{meta['ncu']}`, L2 flushed before each launch; float16, batch 1. "
-          "model = `fs.count(\"flash2\")` with the kernel's tiles; compulsory = Q, K, V read "
-          "once, O and L written once. MB = 10⁶ bytes.", "",
-          "| kernel | N | heads | d | causal | Br×Bc | read MB measured | model | compulsory | "
-          "measured/model | measured/compulsory | write MB measured | model | compulsory |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in table:
-        md.append(f"| {r['kernel']} | {r['N']} | {r['heads']} | {r['d']} | {r['causal']} | "
-                  f"{r['Br']}×{r['Bc']} | {r['measured_read'] / MB:.1f} | {r['model_read'] / MB:.1f} | "
-                  f"{r['compulsory_read'] / MB:.1f} | {r['measured_read'] / r['model_read']:.2f} | "
-                  f"{r['measured_read'] / r['compulsory_read']:.2f} | {r['measured_write'] / MB:.1f} | "
-                  f"{r['model_write'] / MB:.1f} | {r['compulsory_write'] / MB:.1f} |")
-    with open(os.path.join(a.out, "model_vs_hardware.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+    hw = preset_for(gpu)
+    l2_dev = int(cp.cuda.Device().attributes["L2CacheSize"])
+    launch([c[:2] + (1024, 2, 2) + c[5:] for c in configs])   # compile outside the profile
+    probe = None
+    if a.probe:
+        probe = probe_bandwidth()
+        pm = run_ncu(["--probe-launch"], "probe_read")
+        probe["retention"] = [
+            {"MB": mb, "shift": sh, "dram_read_over_size": m["dram__bytes_read.sum"] / (mb * 1e6)}
+            for (mb, sh), m in zip([(mb, sh) for mb in PROBE_MB for sh in ("same", "half")], pm)]
+        print(json.dumps(probe, indent=1))
+    measured = run_ncu(["--launch"] + (["--quick"] if a.quick else []), "flash2_")
+    meta = {"gpu": gpu, "preset": [k for k, v in fs.hardware.PRESETS.items() if v is hw][0],
+            "date": datetime.date.today().isoformat(), "l2_bytes_device": l2_dev,
+            "l2_bytes": hw.l2_bytes, "configs": [list(c) for c in configs],
+            "ncu": f"ncu --clock-control none --cache-control all --metrics {','.join(METRICS)}"}
+    measured = [measured_of(m) for m in measured]
+    rows = build_rows(configs, measured, hw)
+    return finish(a, rows, meta, measured, probe)
+
+
+def finish(a, rows, meta, measured, probe):
+    meta = dict(meta)
+    meta["l2_bytes"] = fs.hardware.PRESETS[meta["preset"]].l2_bytes
+    write_json(out_file(a.out, f"{a.name}.json"),
+               {"meta": meta, "measured": measured, "probe": probe, "rows": rows})
+    text = render(rows, meta)
+    write_text(out_file(a.out, f"{a.name}.md"), text)
+    print(text)
     return 0
 
 

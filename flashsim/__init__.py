@@ -13,10 +13,11 @@ per tensor, and computes the real result so the math is checked too.
     True
 """
 
-from . import gpu, theory
+from . import gpu, hardware, hierarchy, theory
 from .backward import Gradients, count_backward, simulate_backward
 from .count import count
 from .errors import SRAMOverflowError
+from .hierarchy import Launch, Levels, Prediction
 from .problem import ALGORITHMS
 from .reference import attention_backward_reference, attention_reference, attention_same_dtype
 from .simulate import Result, simulate
@@ -31,4 +32,4 @@ __all__ = ["simulate", "count", "simulate_backward", "count_backward", "Traffic"
            "Gradients", "SRAMOverflowError", "theory", "softmax", "attention_reference",
            "attention_backward_reference", "attention_same_dtype", "gpu", "format_table", "ALGORITHMS", "simulate_varlen",
            "count_varlen", "VarlenResult", "simulate_varlen_backward", "count_varlen_backward",
-           "VarlenGradients"]
+           "VarlenGradients", "hardware", "hierarchy", "Levels", "Prediction", "Launch"]

@@ -56,6 +56,7 @@ class Gradients:
     block_sizes: tuple[int, int] | None
     sram_peak_bytes: int | None
     algorithm: str
+    prediction: object = None    # flashsim.hierarchy.Prediction, with hardware=
 
 
 def _check_backward_algorithm(algorithm: str) -> str:
@@ -84,7 +85,8 @@ def _check_saved(name: str, x, want: tuple, *, allow_neg_inf: bool = False) -> n
 def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sram_bytes=None,
                       block_sizes=None, causal: bool = False, scale=None, io_dtype=None,
                       window=None, softcap=None, alibi_slopes=None,
-                      precision: str = "float64") -> Gradients:
+                      precision: str = "float64", hardware=None, launch: str = "auto",
+                      deterministic: bool = False) -> Gradients:
     """Gradients of attention with respect to q, k, v for upstream gradient ``dout``,
     run tile by tile with ``algorithm`` ∈ {"standard", "flash1", "flash2"}.
 
@@ -92,9 +94,18 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
     from `simulate`); block sizes come from ``sram_bytes`` by the paper's rule for a
     K/V-outer loop (Bc = ⌈M/4d⌉, Br = min(Bc, d), shrunk to fit), or ``block_sizes``.
     ``precision="kernel"`` (flash2 only) reproduces the GPU kernels' rounding.
+    ``hardware`` (flash2 only) runs the backward kernels' tiles and adds
+    ``gradients.prediction``, as `flashsim.simulate` does for the forward.
     """
     algorithm = _check_backward_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
+    if hardware is not None:
+        from . import hierarchy
+        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
+        hw_blocks = block_sizes
+        block_sizes = hierarchy.tiles_for(shape, q.dtype if io_dtype is None else io_dtype,
+                                          hardware, backward=True, launch=launch,
+                                          block_sizes=block_sizes)
     out_shape = shape.batch_shape + (shape.Nq, shape.dv)
     out = _check_saved("out", out, out_shape)
     dout = _check_saved("dout", dout, out_shape)
@@ -138,9 +149,15 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
         # GQA groups and broadcast axes are summed in the accumulation type, then rounded
         return np.asarray(prec.io_round(sum_to(g, like.shape)), np.float64).reshape(x.shape)
 
+    prediction = None
+    if hardware is not None:
+        prediction = hierarchy.predict(shape, q.dtype if io_dtype is None else io_dtype,
+                                       scores.band, hardware, backward=True, launch=launch,
+                                       block_sizes=hw_blocks, deterministic=deterministic,
+                                       traffic=mc.traffic)
     return Gradients(dq=grad(dQ, Q, q), dk=grad(dK, K, k), dv=grad(dV, V, v),
                      traffic=mc.traffic, block_sizes=blocks, sram_peak_bytes=peak,
-                     algorithm=algorithm)
+                     algorithm=algorithm, prediction=prediction)
 
 
 def sum_to(x: np.ndarray, shape: tuple) -> np.ndarray:
@@ -313,9 +330,14 @@ def _flash2_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
 def count_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
                    batch_shape=(), kv_batch_shape=None, sram_bytes=None, block_sizes=None,
                    causal: bool = False, io_dtype="float16", window=None,
-                   softcap=None) -> Traffic:
+                   softcap=None, hardware=None, launch: str = "auto",
+                   deterministic: bool = False):
     """`simulate_backward(...).traffic` with no arrays. ``softcap`` matters only to
-    standard attention, whose dS pass then also reads S."""
+    standard attention, whose dS pass then also reads S.
+
+    With ``hardware``, returns a `flashsim.hierarchy.Prediction` of the project's backward
+    kernels (pre-pass, main kernel, ``deterministic`` or not, post-pass) on that GPU, as
+    `count` does for the forward."""
     from .variants import check_softcap
     algorithm = _check_backward_algorithm(algorithm)
     shape = make_shape(Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
@@ -323,6 +345,17 @@ def count_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None =
     b = itemsize_of(io_dtype)
     band = make_band(causal, window)
     capped = check_softcap(softcap) is not None
+    if hardware is not None:
+        from . import hierarchy
+        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
+        blocks = hierarchy.tiles_for(shape, io_dtype, hardware, backward=True, launch=launch,
+                                     block_sizes=block_sizes)
+        traffic = count_backward(algorithm, Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
+                                 kv_batch_shape=kv_batch_shape, block_sizes=blocks,
+                                 causal=causal, io_dtype=io_dtype, window=window)
+        return hierarchy.predict(shape, io_dtype, band, hardware, backward=True, launch=launch,
+                                 block_sizes=block_sizes, deterministic=deterministic,
+                                 traffic=traffic)
     rule = "standard" if algorithm == "standard" else f"{algorithm}-backward"
     blocks = resolve_block_sizes(rule, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=b)

@@ -23,16 +23,30 @@ def _span(lo: np.ndarray, hi: np.ndarray, B: int, N: int) -> np.ndarray:
 def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
           batch_shape=(), kv_batch_shape=None, sram_bytes=None, block_sizes=None,
           causal: bool = False, io_dtype="float16", window=None,
-          num_splits=None) -> Traffic:
+          num_splits=None, hardware=None, launch: str = "auto"):
     """HBM traffic of ``algorithm`` for a problem of the given sizes; equal to
     ``simulate(...).traffic`` for the same problem, tiling, mask and options.
-    (softcap and ALiBi change no count, so they are not parameters here.)"""
+    (softcap and ALiBi change no count, so they are not parameters here.)
+
+    With ``hardware`` (a `flashsim.hardware` preset name or `GPU`), returns a
+    `flashsim.hierarchy.Prediction` instead: the three-level traffic (SM↔L2, L2↔DRAM,
+    compulsory) and time of the project's kernel for these inputs on that GPU
+    (``launch``: "auto" as `fs.gpu.attention` picks, or "wg", "tc", "ref"), whose
+    ``.traffic`` is this function's count for the kernel's tiles."""
     algorithm = check_algorithm(algorithm)
     shape = make_shape(Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
                        kv_batch_shape=kv_batch_shape)
     b = itemsize_of(io_dtype)
     band = make_band(causal, window)
     opts = check_options(algorithm, num_splits=num_splits)
+    if hardware is not None:
+        from . import hierarchy
+        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
+        blocks = hierarchy.tiles_for(shape, io_dtype, hardware, backward=False, launch=launch,
+                                     block_sizes=block_sizes)
+        traffic = _count_flash2(shape, Tiles(shape.Nq, shape.Nk, *blocks, band), b)
+        return hierarchy.predict(shape, io_dtype, band, hardware, launch=launch,
+                                 block_sizes=block_sizes, traffic=traffic)
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=b)
     if algorithm == "standard":

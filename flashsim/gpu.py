@@ -43,7 +43,7 @@ from . import kernels as K
 from .problem import canon_batch, check_scale, resolve_batch, Shape
 from .traffic import Traffic
 
-THREADS = 128
+THREADS = K.REF_THREADS
 _GRID_Y_MAX = 65535
 
 INSTALL_HINT = ('pip install "flashsim[cuda12]" (CUDA 12) or "flashsim[cuda13]" (CUDA 13)')
@@ -216,11 +216,8 @@ def _wg_supports(shape: Shape, dtype: str, block_sizes) -> bool:
     if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.WG_HEAD_DIMS):
         return False
     device = _cupy().cuda.Device().id
-    tiles = K.WG_BLOCKS[shape.d]
-    return (_cc(device) == K.WG_COMPUTE_CAPABILITY
-            and (block_sizes is None or tuple(block_sizes) == tiles)
-            and K.smem_bytes("flash2_fwd_wg", *tiles, shape.d, shape.dv, dtype)
-            <= _smem_limit_on(device))
+    return K.wg_supports(shape.d, shape.dv, dtype, _cc(device), _smem_limit_on(device),
+                         block_sizes)
 
 
 def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
@@ -233,12 +230,10 @@ def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
     if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS):
         return False
-    tiles = _tc_tiles(shape.d, backward)
     # the tiles must fit the device's shared memory (not so on GPUs with 99 KB per block)
-    need = K.smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, shape.d,
-                        shape.dv, dtype)
-    return (block_sizes is None or tuple(block_sizes) == tiles) and need <= _smem_limit_on(
-        _cupy().cuda.Device().id)
+    device = _cupy().cuda.Device().id
+    return K.tc_supports(shape.d, shape.dv, dtype, _cc(device), _smem_limit_on(device),
+                         block_sizes, backward)
 
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False) -> str:
@@ -653,12 +648,12 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
     with cp.cuda.Device(q.device.index):
         shape = Shape(Nq, Nk, d, d, (B, H), (B, H), (B, Hk), H // Hk)
         if kernel != "tc" and _wg_supports(shape, dtype, None):   # Hopper: warpgroup MMAs
-            name, (Br, Bc), threads = "flash2_fwd_wg", K.WG_BLOCKS[d], K.WG_THREADS
+            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[d]
         elif kernel == "wg":
             return False                                # the general path says why not
         else:
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(d, False)
-            threads = K.tc_threads(d, _cc_major(q.device.index))
+        threads = K.threads(name, d, _cc(q.device.index))
         smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
         if smem > smem_limit():
             return False                                # the general path picks "ref"
@@ -673,7 +668,7 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         plan.scale = check_scale(scale, d)
         plan.io = _unused_counters(q.device.index).data.ptr
         # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, io)
-        plan.fwd = _Launcher(kern, "6Q4if4xQ", (-(-Nq // Br), B * H), threads, smem,
+        plan.fwd = _Launcher(kern, "6Q4if4xQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
                              (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e),
                               plan.io))
         plan.lse_shape = (B, H, Nq)
@@ -738,14 +733,18 @@ def _plan_torch_backward(plan, q, k):
         if smem > 48 * 1024:
             main.max_dynamic_shared_size_bytes = smem
         # (O, dO, D, dQacc | Nq, io)
+        cc = _cc(q.device.index)
         pre = _Launcher(_kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ",
-                        (-(-Nq // K.TC_PRE_BR), P), K.TC_PRE_THREADS, 0, (Nq, plan.io))
+                        K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
+                        K.threads("flash2_bwd_preprocess_tc", d, cc), 0, (Nq, plan.io))
         # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, sem, io)
-        main = _Launcher(main, "10Q4if4xQQ", (-(-Nk // Bc), P), K.TC_BWD_THREADS, smem,
+        main = _Launcher(main, "10Q4if4xQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
+                         K.threads("flash2_bwd_tc", d, cc), smem,
                          (Nq, Nk, plan.left, plan.right, plan.scale, 0, plan.io))
         # (dQacc, dQ | Nq, d, Br, io)
         post = _Launcher(_kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ",
-                         (-(-Nq // Br), P), THREADS, 0, (Nq, d, Br, plan.io))
+                         K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),
+                         K.threads("flash2_bwd_postprocess", d, cc), 0, (Nq, d, Br, plan.io))
     plan.bwd = (pre, main, post)
     return plan.bwd
 
@@ -765,19 +764,20 @@ def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
     i32 = np.int32
     if which in ("tc", "wg"):    # one signature: (Q, K, V, kv_index, O, L, Nq, Nk, band, scale)
         if which == "wg":
-            name, (Br, Bc), threads = "flash2_fwd_wg", K.WG_BLOCKS[shape.d], K.WG_THREADS
+            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[shape.d]
         else:
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(shape.d, False)
-            threads = K.tc_threads(shape.d, _cc_major(cp.cuda.Device().id))
+        threads = K.threads(name, shape.d, _cc(cp.cuda.Device().id))
         smem = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
-        _launch(cp, _kernel(name, dtype, count_io, shape.d), (-(-Nq // Br), P),
-                smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
+        _launch(cp, _kernel(name, dtype, count_io, shape.d),
+                K.grid(name, Nq, shape.Nk, Br, Bc, P), smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
                        i32(right), np.float32(scale * math.log2(math.e)), io),
                 threads=threads)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
-        _launch(cp, _kernel("flash2_fwd", dtype, count_io), (-(-Nq // Br), P), smem,
+        _launch(cp, _kernel("flash2_fwd", dtype, count_io),
+                K.grid("flash2_fwd", Nq, shape.Nk, Br, Bc, P), smem,
                 (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(shape.d),
                  i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
                  _scalar(dtype, scale), io))
@@ -850,30 +850,37 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, 
     dK = _empty(cp, (P, Nk, d), st)
     dV = _empty(cp, (P, Nk, dv), st)
     io = _counters(cp, count_io)
-    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+    Tr = -(-Nq // Br)
     i32 = np.int32
     # one turn counter per (problem, Q tile of Br rows); a null pointer: unordered atomics
     sem = cp.zeros(P * Tr, dtype=cp.int32) if deterministic else np.uint64(0)
+    cc = _cc(cp.cuda.Device().id)
+
+    def grid(name):
+        return K.grid(name, Nq, Nk, Br, Bc, P)
+
     if which == "tc":
-        _launch(cp, _kernel("flash2_bwd_preprocess_tc", dtype, count_io, d),
-                (-(-Nq // K.TC_PRE_BR), P), 0, (O, dO, D, dQacc, i32(Nq), io),
-                threads=K.TC_PRE_THREADS)
+        name = "flash2_bwd_preprocess_tc"
+        _launch(cp, _kernel(name, dtype, count_io, d), grid(name), 0,
+                (O, dO, D, dQacc, i32(Nq), io), threads=K.threads(name, d, cc))
     else:
-        _launch(cp, _kernel("flash2_bwd_preprocess", dtype, count_io), (Tr, P), 0,
+        _launch(cp, _kernel("flash2_bwd_preprocess", dtype, count_io),
+                grid("flash2_bwd_preprocess"), 0,
                 (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
     if which == "tc":
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
         name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
-        _launch(cp, _kernel(name, dtype, count_io, d), (Tc, P), smem,
+        _launch(cp, _kernel(name, dtype, count_io, d), grid(name), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
-                 i32(right), np.float32(scale), sem, io), threads=K.TC_BWD_THREADS)
+                 i32(right), np.float32(scale), sem, io), threads=K.threads(name, d, cc))
     else:
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
-        _launch(cp, _kernel("flash2_bwd_main", dtype, count_io), (Tc, P), smem,
+        _launch(cp, _kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d),
                  i32(dv), i32(Br), i32(Bc), i32(left), i32(right), _scalar(dtype, scale), sem,
                  io))
-    _launch(cp, _kernel("flash2_bwd_postprocess", dtype, count_io), (Tr, P), 0,
+    _launch(cp, _kernel("flash2_bwd_postprocess", dtype, count_io),
+            grid("flash2_bwd_postprocess"), 0,
             (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))
     dq = _reduce(cp, dQ, shape, qi.shape, Nq, d, dtype)
     dk = _reduce(cp, dK, shape, ki.shape, Nk, d, dtype)

@@ -84,6 +84,128 @@ def source_arch(source: str, arch: str) -> str | None:
 TC_BWD_THREADS = 256
 # its pre-pass (D = rowsum(dO ∘ O), dQacc = 0): rows per CTA and threads
 TC_PRE_BR, TC_PRE_THREADS = 64, 128
+# the reference rung's CTAs, all four kernels
+REF_THREADS = 128
+
+
+def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
+                block_sizes=None) -> bool:
+    """The Hopper forward runs these inputs on a device of compute capability ``cc``
+    (its sm_90a code runs on 9.0 alone) whose CTAs may opt in to ``smem_limit`` bytes."""
+    if not (dtype in TC_DTYPES and d == dv and d in WG_HEAD_DIMS and cc == WG_COMPUTE_CAPABILITY):
+        return False
+    tiles = WG_BLOCKS[d]
+    return ((block_sizes is None or tuple(block_sizes) == tiles)
+            and smem_bytes("flash2_fwd_wg", *tiles, d, dv, dtype) <= smem_limit)
+
+
+def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
+                backward: bool = False) -> bool:
+    """The mma.sync rung (compute capability 8.0 on) runs these inputs with its tiles."""
+    if not (dtype in TC_DTYPES and d == dv and d in TC_HEAD_DIMS and cc >= 80):
+        return False
+    tiles = tc_bwd_blocks(d, cc // 10) if backward else tc_blocks(d, cc // 10)
+    need = smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, d, dv, dtype)
+    return (block_sizes is None or tuple(block_sizes) == tiles) and need <= smem_limit
+
+
+# -- launches: how each kernel covers its grid ---------------------------------------------
+# flashsim.gpu launches with these grids and threads, and flashsim.hierarchy models the
+# same launches (which CTA runs which tile, in which order, how many share an SM), so the
+# model and the kernels read one table. tests/test_hierarchy.py holds ``order`` against the
+# blockIdx arithmetic in each kernel's source.
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How one kernel maps its grid: blockIdx.y is the (batch, query-head) problem and
+    blockIdx.x a tile along ``over`` ("q": Q tiles, "kv": K/V tiles), taken in
+    ``order`` ("natural": tile = blockIdx.x; "reversed": tile = gridDim.x − 1 − blockIdx.x,
+    so the Q tiles that see the most keys under a causal mask start first). ``phase``
+    names the part of the schedule it runs; ``reduces`` the tensors it adds into with
+    atomics, which the L2 performs (reductions, not SM reads and writes)."""
+    kernel: str
+    phase: str
+    over: str
+    order: str
+    reduces: tuple = ()
+
+
+LAUNCH_SPECS = {s.kernel: s for s in (
+    LaunchSpec("flash2_fwd", "forward", "q", "natural"),
+    LaunchSpec("flash2_fwd_tc", "forward", "q", "reversed"),
+    LaunchSpec("flash2_fwd_wg", "forward", "q", "reversed"),
+    LaunchSpec("flash2_bwd_preprocess", "backward-pre", "q", "natural"),
+    LaunchSpec("flash2_bwd_preprocess_tc", "backward-pre", "q", "natural"),
+    LaunchSpec("flash2_bwd_main", "backward-main", "kv", "natural", ("dQacc",)),
+    LaunchSpec("flash2_bwd_tc", "backward-main", "kv", "natural", ("dQacc",)),
+    LaunchSpec("flash2_bwd_tc_det", "backward-main", "kv", "reversed", ("dQacc",)),
+    LaunchSpec("flash2_bwd_postprocess", "backward-post", "q", "natural"),
+)}
+
+
+def grid_rows(kernel: str, Br: int, Bc: int) -> int:
+    """Rows of the tile one CTA of ``kernel`` covers along its grid's x axis."""
+    if kernel == "flash2_bwd_preprocess_tc":
+        return TC_PRE_BR
+    return Bc if LAUNCH_SPECS[kernel].over == "kv" else Br
+
+
+def grid(kernel: str, Nq: int, Nk: int, Br: int, Bc: int, problems: int) -> tuple[int, int]:
+    """(gridDim.x, gridDim.y) of ``kernel`` for these sizes and tiles."""
+    N = Nk if LAUNCH_SPECS[kernel].over == "kv" else Nq
+    B = grid_rows(kernel, Br, Bc)
+    return -(-N // B), problems
+
+
+def threads(kernel: str, d: int, cc: int) -> int:
+    """Threads per CTA of ``kernel`` at head dim d on a device of compute capability cc."""
+    if kernel == "flash2_fwd_tc":
+        return tc_threads(d, cc // 10)
+    if kernel == "flash2_fwd_wg":
+        return WG_THREADS
+    if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
+        return TC_BWD_THREADS
+    if kernel == "flash2_bwd_preprocess_tc":
+        return TC_PRE_THREADS
+    return REF_THREADS
+
+
+# Registers per thread of the fast (not instrumented) builds, the most over the dtypes
+# each kernel is built for, as ptxas reports them (`flashsim kernels build`); they set
+# how many CTAs an SM holds. tests/test_kernels.py rebuilds and checks the occupancy
+# they give against every instance's own count.
+REGISTERS = {
+    "sm_90": {"flash2_fwd": 78, "flash2_bwd_preprocess": 32, "flash2_bwd_main": 93,
+              "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 253},
+              "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
+              "flash2_fwd_wg": {64: 108, 128: 189}},
+    "sm_80": {"flash2_fwd": 48, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 56,
+              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 222, 128: 187},
+              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 239},
+              "flash2_bwd_tc_det": {64: 224, 128: 242}},
+}
+
+
+def registers(kernel: str, d: int, cc: int) -> int:
+    """Registers per thread of ``kernel`` (fast build) at head dim d; sm_80's figures
+    stand for every compute capability below 9.0."""
+    table = REGISTERS["sm_90" if cc >= 90 else "sm_80"]
+    r = table[kernel]
+    return r[d] if isinstance(r, dict) else r
+
+
+def ctas_per_sm(*, threads: int, registers: int, smem: int, regs_per_sm: int = 65536,
+                max_threads_per_sm: int = 2048, max_blocks_per_sm: int = 32,
+                smem_per_sm: int = 228 * 1024, smem_reserved_per_block: int = 1024) -> int:
+    """CTAs one SM holds at once (the CUDA occupancy rules): the fewest allowed by
+    threads, registers (allocated per warp in units of 256), shared memory (plus what
+    the runtime reserves per CTA) and the block limit."""
+    warps = -(-threads // 32)
+    by_threads = max_threads_per_sm // (warps * 32)
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = (regs_per_sm // regs_per_warp) // warps
+    by_smem = smem_per_sm // (smem + smem_reserved_per_block)
+    return max(0, min(max_blocks_per_sm, by_threads, by_regs, by_smem))
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,13 @@ class Result:
     sram_peak_bytes: int | None
     algorithm: str
     shape: Shape
+    prediction: object = None    # flashsim.hierarchy.Prediction, with hardware=
 
 
 def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
              causal: bool = False, scale=None, io_dtype=None, window=None, softcap=None,
-             alibi_slopes=None, num_splits=None, precision: str = "float64") -> Result:
+             alibi_slopes=None, num_splits=None, precision: str = "float64",
+             hardware=None, launch: str = "auto") -> Result:
     """Run ``algorithm`` on q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) and count its
     HBM traffic.
 
@@ -53,10 +55,23 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes. Variants: ``window=(left, right)``,
     ``softcap``, ``alibi_slopes`` (see `flashsim.variants`). ``precision="kernel"``
     (flash2 only) reproduces the GPU kernels' rounding (see `flashsim.precision`).
+
+    ``hardware`` (a `flashsim.hardware` preset name or `GPU`; flash2 only) runs the
+    schedule with the tiles of the project's kernel for these inputs on that GPU
+    (``launch``: "auto", "wg", "tc" or "ref"; ``block_sizes`` picks the reference
+    kernel's) and adds ``result.prediction``, a `flashsim.hierarchy.Prediction` of its
+    traffic at each level (SM↔L2, L2↔DRAM, compulsory) and its time.
     """
     algorithm = check_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
     itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
+    if hardware is not None:
+        from . import hierarchy
+        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
+        hw_blocks = block_sizes
+        block_sizes = hierarchy.tiles_for(shape, q.dtype if io_dtype is None else io_dtype,
+                                          hardware, backward=False, launch=launch,
+                                          block_sizes=block_sizes)
     scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
                          alibi_slopes)
     opts = check_options(algorithm, num_splits=num_splits)
@@ -79,10 +94,16 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
         tiles = Tiles(shape.Nq, shape.Nk, *blocks, scores.band)
         O, L = FORWARD[algorithm](machine, Q, K, V, shape, tiles, scores, **opts)
         peak = machine.sram.peak
+    prediction = None
+    if hardware is not None:
+        prediction = hierarchy.predict(shape, q.dtype if io_dtype is None else io_dtype,
+                                       scores.band, hardware, launch=launch,
+                                       block_sizes=hw_blocks, traffic=machine.traffic)
     return Result(out=restore(O, shape, (shape.Nq, shape.dv)),
                   lse=restore(L, shape, (shape.Nq,)),
                   traffic=machine.traffic, block_sizes=blocks,
-                  sram_peak_bytes=peak, algorithm=algorithm, shape=shape)
+                  sram_peak_bytes=peak, algorithm=algorithm, shape=shape,
+                  prediction=prediction)
 
 
 def _hbm(shape: Shape, cols: int | None, fill: float) -> np.ndarray:

@@ -2,8 +2,12 @@
 closed forms in `fs.theory` and (later) instrumented kernels, so that "do they agree?"
 is a plain ``==``.
 
-A `Traffic` holds, per tensor name, the bytes read from HBM into SRAM and the bytes
-written from SRAM back to HBM. Integers only: every count is exact.
+A `Traffic` holds, per tensor name, the bytes read from the memory behind a level
+into it (HBM into SRAM in the two-level model), the bytes written back, and the bytes
+of *reductions*: atomic adds the memory performs itself (a GPU's L2 does a kernel's
+``atomicAdd``), one transfer where a read-modify-write by the SM would be two. The same
+type serves every level of `flashsim.hierarchy` (SM↔L2, L2↔DRAM, compulsory). Integers
+only: every count is exact.
 """
 
 from __future__ import annotations
@@ -44,12 +48,14 @@ class Traffic:
     512
     """
 
-    __slots__ = ("_reads", "_writes")
+    __slots__ = ("_reads", "_writes", "_reduces")
 
     def __init__(self, reads: Mapping[str, int] | None = None,
-                 writes: Mapping[str, int] | None = None):
+                 writes: Mapping[str, int] | None = None,
+                 reduces: Mapping[str, int] | None = None):
         self._reads = _clean(reads)
         self._writes = _clean(writes)
+        self._reduces = _clean(reduces)
 
     # -- views ---------------------------------------------------------------------
     @property
@@ -63,6 +69,15 @@ class Traffic:
         return MappingProxyType(self._writes)
 
     @property
+    def reduces(self) -> Mapping[str, int]:
+        """Bytes of reductions (atomic adds performed by the memory) per tensor."""
+        return MappingProxyType(self._reduces)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return sum(self._reduces.values())
+
+    @property
     def read_bytes(self) -> int:
         return sum(self._reads.values())
 
@@ -72,28 +87,29 @@ class Traffic:
 
     @property
     def total_bytes(self) -> int:
-        return self.read_bytes + self.write_bytes
+        return self.read_bytes + self.write_bytes + self.reduce_bytes
 
     @property
     def tensors(self) -> tuple[str, ...]:
-        names = set(self._reads) | set(self._writes)
+        names = set(self._reads) | set(self._writes) | set(self._reduces)
         return tuple(sorted(names, key=_order_key))
 
     def of(self, name: str) -> int:
-        """Bytes read plus written for one tensor."""
-        return self._reads.get(name, 0) + self._writes.get(name, 0)
+        """Bytes read plus written (plus reduced) for one tensor."""
+        return self._reads.get(name, 0) + self._writes.get(name, 0) + self._reduces.get(name, 0)
+
+    def reductions_as_reads_and_writes(self) -> "Traffic":
+        """The same traffic with each reduction counted as a read plus a write of its
+        bytes: what a read-modify-write by the SM would move (the two-level model's view
+        of an atomic add)."""
+        return Traffic(_merged(self._reads, self._reduces), _merged(self._writes, self._reduces))
 
     # -- arithmetic ----------------------------------------------------------------
     def __add__(self, other: "Traffic") -> "Traffic":
         if not isinstance(other, Traffic):
             return NotImplemented
-        reads = dict(self._reads)
-        for k, v in other._reads.items():
-            reads[k] = reads.get(k, 0) + v
-        writes = dict(self._writes)
-        for k, v in other._writes.items():
-            writes[k] = writes.get(k, 0) + v
-        return Traffic(reads, writes)
+        return Traffic(_merged(self._reads, other._reads), _merged(self._writes, other._writes),
+                       _merged(self._reduces, other._reduces))
 
     def __radd__(self, other):
         # lets sum([...]) start from 0
@@ -105,23 +121,27 @@ class Traffic:
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             return NotImplemented
         return Traffic({n: v * k for n, v in self._reads.items()},
-                       {n: v * k for n, v in self._writes.items()})
+                       {n: v * k for n, v in self._writes.items()},
+                       {n: v * k for n, v in self._reduces.items()})
 
     __rmul__ = __mul__
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Traffic):
             return NotImplemented
-        return self._reads == other._reads and self._writes == other._writes
+        return (self._reads == other._reads and self._writes == other._writes
+                and self._reduces == other._reduces)
 
     def __hash__(self):
-        return hash((tuple(self._reads.items()), tuple(self._writes.items())))
+        return hash((tuple(self._reads.items()), tuple(self._writes.items()),
+                     tuple(self._reduces.items())))
 
     def diff(self, other: "Traffic") -> dict[tuple[str, str], tuple[int, int]]:
         """{(direction, tensor): (self, other)} for every entry that differs."""
         out = {}
         for direction, a, b in (("read", self._reads, other._reads),
-                                ("write", self._writes, other._writes)):
+                                ("write", self._writes, other._writes),
+                                ("reduce", self._reduces, other._reduces)):
             for name in sorted(set(a) | set(b), key=_order_key):
                 if a.get(name, 0) != b.get(name, 0):
                     out[(direction, name)] = (a.get(name, 0), b.get(name, 0))
@@ -136,12 +156,24 @@ class Traffic:
         return self.table()
 
     def __repr__(self) -> str:
-        return f"Traffic(reads={self._reads!r}, writes={self._writes!r})"
+        extra = f", reduces={self._reduces!r}" if self._reduces else ""
+        return f"Traffic(reads={self._reads!r}, writes={self._writes!r}{extra})"
 
     def to_dict(self) -> dict:
-        return {"reads": dict(self._reads), "writes": dict(self._writes),
-                "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
-                "total_bytes": self.total_bytes}
+        out = {"reads": dict(self._reads), "writes": dict(self._writes),
+               "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+               "total_bytes": self.total_bytes}
+        if self._reduces:
+            out["reduces"] = dict(self._reduces)
+            out["reduce_bytes"] = self.reduce_bytes
+        return out
+
+
+def _merged(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -163,7 +195,8 @@ def _fmt(value: int, unit: str) -> str:
 
 
 def format_table(columns: Mapping[str, Traffic], unit: str = "auto") -> str:
-    """Side-by-side table of several `Traffic` values (one column pair per entry)."""
+    """Side-by-side table of several `Traffic` values (read and write columns per entry,
+    and reduce where any entry has reductions)."""
     if not columns:
         raise ValueError("format_table needs at least one Traffic")
     if unit != "auto" and unit not in _UNITS:
@@ -171,23 +204,28 @@ def format_table(columns: Mapping[str, Traffic], unit: str = "auto") -> str:
     if unit == "auto":
         unit = _pick_unit(max(t.total_bytes for t in columns.values()))
     names = sorted({n for t in columns.values() for n in t.tensors}, key=_order_key)
+    # a reduce column only where some level has reductions (tables of the two-level
+    # model look as they always did)
+    red = any(t.reduce_bytes for t in columns.values())
     header = ["tensor"]
     for label in columns:
         prefix = f"{label} " if label else ""
-        header += [f"{prefix}read", f"{prefix}write"]
+        header += [f"{prefix}read", f"{prefix}write"] + ([f"{prefix}reduce"] if red else [])
     rows = [header]
     for n in names:
         row = [n]
         for t in columns.values():
             row += [_fmt(t.reads.get(n, 0), unit), _fmt(t.writes.get(n, 0), unit)]
+            row += [_fmt(t.reduces.get(n, 0), unit)] if red else []
         rows.append(row)
     total = ["total"]
     for t in columns.values():
         total += [_fmt(t.read_bytes, unit), _fmt(t.write_bytes, unit)]
+        total += [_fmt(t.reduce_bytes, unit)] if red else []
     rows.append(total)
-    grand = ["read+write"]
+    grand = ["all" if red else "read+write"]
     for t in columns.values():
-        grand += [_fmt(t.total_bytes, unit), ""]
+        grand += [_fmt(t.total_bytes, unit), ""] + ([""] if red else [])
     rows.append(grand)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = []

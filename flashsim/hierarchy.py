@@ -1,0 +1,781 @@
+"""Three levels: each SM's SRAM, one L2 shared by all SMs, and DRAM (HBM), driven by a
+kernel's real launch.
+
+`fs.count` counts what moves between one SM's SRAM and the memory behind it. On a GPU
+that traffic goes to L2, and only L2 misses reach DRAM. This module predicts the DRAM
+bytes from the launch:
+
+1. **The launch** (`Launch`, from the table in `flashsim.kernels`): the kernel, its grid,
+   which tile each blockIdx takes (natural or reversed order), and how many CTAs an SM
+   holds (the CUDA occupancy rules over threads, registers and shared memory), so
+   ``slots = SMs × CTAs per SM`` run at once.
+2. **The CTAs' programs**: the tile moves of the simulator's schedule, CTA by CTA — for
+   the forward, Q tile i reads Q_i, then K_j, V_j for each visited j (the same
+   `Tiles.kv_ranges` the simulator's loops walk), then writes O_i, L_i; for the backward's
+   main kernel, K/V tile j reads K_j, V_j, then Q_i, dO_i, L_i, D_i and adds into dQacc_i
+   for each visited i (`Tiles.q_ranges`), then writes dK_j, dV_j; the pre- and post-pass
+   one tile each. A kernel's atomics (the backward's dQacc) are *reductions*, performed in
+   L2: one SM→L2 transfer, where the two-level count has a read and a write.
+3. **Dispatch**: CTAs start in blockIdx order (x fastest) on the first free slot; every
+   running CTA advances one inner step (one visited tile pair) per time unit, so a CTA of
+   n steps started at t runs over [t, t + n). This is the lockstep a GPU shows when its
+   CTAs do equal work per step.
+4. **The L2**: fully associative, least recently used, write-back and write-allocate
+   (a write fills its bytes without reading DRAM; a reduction that misses first reads the
+   bytes from DRAM), with capacity ``hardware.l2_bytes``, fed by the accesses of the CTAs
+   running at each time unit, in time order (prologue reads, inner step, epilogue writes;
+   CTAs in launch order within a time unit). Its entries are whole tiles: the tile of one
+   problem's rows that a CTA moves at once (Q_i; K_j with V_j; Q_i, dO_i, L_i, D_i with
+   dQacc_i), which are always accessed together. A miss reads the entry's bytes from DRAM;
+   an evicted entry that was written is written back to DRAM. Writes still in L2 when the
+   kernel ends reach DRAM after it (``writeback``): Nsight Compute counts only what moves
+   during the launch, which is ``levels["L2-DRAM"]``. L2 starts empty, as after Nsight
+   Compute's ``--cache-control all``.
+
+Identical accesses by CTAs that start together (same problem, same first tile) arrive in
+the same time unit and are folded into one access with a multiplicity: the repeats hit,
+exactly as the serialised LRU would have them. Where a launch would still need more than
+``max_events`` accesses (one head at N = 2¹⁸ under a causal mask has ~2·10⁶), G
+consecutive tiles of the streamed tensor (K/V in the forward, the Q-side tiles in the
+backward) form one L2 entry, which tracks which of its tiles are loaded: a CTA's access to
+the entry happens when it enters it, and misses only on the tiles not yet loaded. G is
+the smallest power of two that fits and is reported (``superblock``); G = 1 is the exact
+tile-by-tile LRU, and the error of G > 1 is at most G steps of reuse distance.
+
+The L2 is one pool, as the programming model sees it; the H100's is two partitions of
+25 MB, which the validation in `analysis/model_vs_hardware.py` holds the model against.
+
+Time (`LaunchPrediction.time_s`), stated as a formula:
+
+    t = max(t_compute, t_DRAM, t_L2)
+    t_compute = makespan · F_step / (η · peak_flops / (SMs · CTAs per SM))
+    t_DRAM    = (DRAM bytes read + written during the launch) / dram_sustained_bytes_per_s
+    t_L2      = (SM↔L2 bytes) / l2_bytes_per_s
+
+where makespan is the dispatch's length in inner steps, F_step the FLOPs of one full
+inner step (forward 2·Br·Bc·(d + dv), backward 2·Br·Bc·(3d + 2dv)), and η the fraction
+of the tensor cores' peak the kernel's inner loop sustains (`EFFICIENCY`, measured once
+per kernel and head dim on an H100 at one size and held fixed). The pre- and post-pass do
+no matrix products: their time is the larger of the two memory terms.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import kernels as K
+from .hardware import GPU, get as get_hardware
+from .problem import STAT_BYTES, Shape, canon_batch, itemsize_of
+from .tiling import Tiles
+from .traffic import Traffic, format_table
+
+LEVELS = ("SM-L2", "L2-DRAM", "compulsory")
+READ, WRITE, REDUCE = "read", "write", "reduce"
+MAX_EVENTS = 300_000
+
+# η: the fraction of peak_flops one SM sustains in the kernel's inner loop, measured on an
+# NVIDIA H100 80GB HBM3 (ncu's gpu__time_duration at N = 16384, 8 heads, no mask, float16;
+# analysis/model_vs_hardware.py --calibrate), keyed by (kernel, d).
+EFFICIENCY = {
+    ("flash2_fwd_wg", 64): 0.42, ("flash2_fwd_wg", 128): 0.49,
+    ("flash2_fwd_tc", 64): 0.33, ("flash2_fwd_tc", 128): 0.37,
+    ("flash2_bwd_tc", 64): 0.25, ("flash2_bwd_tc", 128): 0.27,
+    ("flash2_bwd_tc_det", 64): 0.22, ("flash2_bwd_tc_det", 128): 0.23,
+    ("flash2_fwd", None): 0.0008, ("flash2_bwd_main", None): 0.0006,
+}
+
+
+# -- traffic by level ---------------------------------------------------------------------
+
+class Levels:
+    """Traffic at each level of the memory, by tensor and kind (read, write, reduce):
+
+    - ``"SM-L2"``: what the SMs move to and from L2 (the two-level model's traffic, with a
+      kernel's atomics as reductions);
+    - ``"L2-DRAM"``: what L2 reads from and writes to DRAM during the launch (what Nsight
+      Compute's dram__bytes counters show);
+    - ``"compulsory"``: each distinct byte the launch touches, read (or written) once.
+
+    ``==`` compares every level, ``+`` adds level by level, ``table()`` prints them side
+    by side.
+    """
+
+    __slots__ = ("_levels",)
+
+    def __init__(self, levels: dict[str, Traffic]):
+        for name, t in levels.items():
+            if not isinstance(t, Traffic):
+                raise TypeError(f"level {name!r} must be a Traffic, got {t!r}")
+        self._levels = dict(levels)
+
+    def __getitem__(self, level: str) -> Traffic:
+        try:
+            return self._levels[level]
+        except KeyError:
+            raise KeyError(f"no level {level!r}; levels are {', '.join(self._levels)}") from None
+
+    def __iter__(self):
+        return iter(self._levels)
+
+    def __len__(self):
+        return len(self._levels)
+
+    def items(self):
+        return self._levels.items()
+
+    @property
+    def sm_l2(self) -> Traffic:
+        return self._levels["SM-L2"]
+
+    @property
+    def dram(self) -> Traffic:
+        return self._levels["L2-DRAM"]
+
+    @property
+    def compulsory(self) -> Traffic:
+        return self._levels["compulsory"]
+
+    def __eq__(self, other):
+        if not isinstance(other, Levels):
+            return NotImplemented
+        return self._levels == other._levels
+
+    def __hash__(self):
+        return hash(tuple(sorted(self._levels.items())))
+
+    def __add__(self, other: "Levels") -> "Levels":
+        if not isinstance(other, Levels):
+            return NotImplemented
+        names = list(dict.fromkeys([*self._levels, *other._levels]))
+        return Levels({n: self._levels.get(n, Traffic()) + other._levels.get(n, Traffic())
+                       for n in names})
+
+    def table(self, unit: str = "auto") -> str:
+        return format_table({_LABELS.get(n, n): t for n, t in self._levels.items()}, unit=unit)
+
+    def __str__(self):
+        return self.table()
+
+    def __repr__(self):
+        return f"Levels({self._levels!r})"
+
+    def to_dict(self) -> dict:
+        return {n: t.to_dict() for n, t in self._levels.items()}
+
+
+_LABELS = {"SM-L2": "SM↔L2", "L2-DRAM": "L2↔DRAM"}
+
+
+# -- the launch -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch on one GPU: its grid, which tile each CTA takes and how many CTAs
+    run at once. Built from the kernel table (`flashsim.kernels.LAUNCH_SPECS`) by
+    `launches`; ``Br``, ``Bc`` are the schedule's tiles, ``rows`` those of the tile a CTA
+    covers along the grid's x axis."""
+    kernel: str
+    phase: str
+    over: str
+    order: str
+    grid: tuple[int, int]
+    threads: int
+    registers: int
+    smem_bytes: int
+    ctas_per_sm: int
+    Br: int
+    Bc: int
+    rows: int
+    reduces: tuple
+    hardware: GPU = field(repr=False)
+
+    @property
+    def ctas(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def slots(self) -> int:
+        """CTAs running at once over the whole GPU."""
+        return self.hardware.num_sms * self.ctas_per_sm
+
+    @property
+    def waves(self) -> float:
+        return self.ctas / self.slots
+
+    def tile_of(self, bx):
+        """The tile index blockIdx.x = ``bx`` works on (NumPy arrays welcome)."""
+        return self.grid[0] - 1 - bx if self.order == "reversed" else bx
+
+
+def dtype_name(io_dtype) -> str:
+    """'float16', 'bfloat16', 'float32' or 'float64' for an I/O type (names, aliases and
+    NumPy dtypes), as the kernels are built for."""
+    if isinstance(io_dtype, str):
+        key = io_dtype.strip().lower().replace("torch.", "")
+        key = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+               "float": "float32", "single": "float32", "fp64": "float64",
+               "double": "float64"}.get(key, key)
+        if key in K.CUDA_TYPES:
+            return key
+    else:
+        name = str(getattr(io_dtype, "name", io_dtype)).replace("torch.", "")
+        if name in K.CUDA_TYPES:
+            return name
+    raise ValueError(f"the kernels run float16, bfloat16, float32 and float64; io_dtype "
+                     f"{io_dtype!r} has no kernel (itemsize {itemsize_of(io_dtype)})")
+
+
+RUNGS = ("auto", "wg", "tc", "ref")
+
+
+def choose_kernel(launch: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
+                  backward: bool = False) -> str:
+    """The rung the project's kernels would take on ``hw``: "wg", "tc" or "ref" (the same
+    rules as `flashsim.gpu`'s kernel="auto", from `flashsim.kernels`)."""
+    if launch not in RUNGS:
+        raise ValueError(f"launch must be one of {RUNGS}, got {launch!r}")
+    cc, limit, d, dv = hw.compute_capability, hw.smem_per_block, shape.d, shape.dv
+    if launch == "wg" and backward:
+        raise ValueError("the Hopper kernel ('wg') is a forward only; model the backward "
+                         "with launch='tc', 'ref' or 'auto'")
+    if launch in ("auto", "wg") and not backward and K.wg_supports(d, dv, dtype, cc, limit,
+                                                                   block_sizes):
+        return "wg"
+    if launch == "wg":
+        raise ValueError(f"the Hopper kernel runs float16/bfloat16, d = dv in "
+                         f"{K.WG_HEAD_DIMS}, tiles {K.WG_BLOCKS}, on compute capability 9.0 "
+                         f"({hw.name} is {cc / 10:.1f}); got {dtype}, d={d}, dv={dv}, "
+                         f"block_sizes={block_sizes}")
+    if launch in ("auto", "tc") and K.tc_supports(d, dv, dtype, cc, limit, block_sizes, backward):
+        return "tc"
+    if launch == "tc":
+        raise ValueError(f"the tensor-core kernel runs float16/bfloat16, d = dv in "
+                         f"{K.TC_HEAD_DIMS}, its own tiles, on compute capability 8.0 or "
+                         f"later; got {dtype}, d={d}, dv={dv}, block_sizes={block_sizes} "
+                         f"on {hw.name}")
+    return "ref"
+
+
+def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
+                 backward: bool = False) -> tuple[int, int]:
+    """(Br, Bc) the rung runs with: its fixed tiles, or for "ref" ``block_sizes`` (default:
+    the largest square tile whose CTA fits the device's shared memory)."""
+    cc = hw.compute_capability
+    if rung == "wg":
+        return K.WG_BLOCKS[shape.d]
+    if rung == "tc":
+        return K.tc_bwd_blocks(shape.d, cc // 10) if backward else K.tc_blocks(shape.d, cc // 10)
+    if block_sizes is not None:
+        Br, Bc = (int(x) for x in block_sizes)
+        kernel = "flash2_bwd_main" if backward else "flash2_fwd"
+        need = K.smem_bytes(kernel, Br, Bc, shape.d, shape.dv, dtype)
+        if need > hw.smem_per_block:
+            raise ValueError(f"{kernel} with Br={Br}, Bc={Bc}, d={shape.d} ({dtype}) needs "
+                             f"{need} bytes of shared memory; {hw.name} allows "
+                             f"{hw.smem_per_block}. Use smaller block_sizes.")
+        return Br, Bc
+    return K.default_block_sizes(shape.d, shape.dv, dtype, hw.smem_per_block, backward)
+
+
+def _make_launch(kernel: str, shape: Shape, dtype: str, hw: GPU, Br: int, Bc: int) -> Launch:
+    spec = K.LAUNCH_SPECS[kernel]
+    cc = hw.compute_capability
+    D = shape.d if kernel.endswith(("_tc", "_wg", "_tc_det")) else None
+    smem = K.smem_bytes(kernel, Br, Bc, shape.d, shape.dv, dtype)
+    threads = K.threads(kernel, shape.d, cc)
+    regs = K.registers(kernel, D, cc)
+    occ = K.ctas_per_sm(threads=threads, registers=regs, smem=smem,
+                        regs_per_sm=hw.regs_per_sm, max_threads_per_sm=hw.max_threads_per_sm,
+                        max_blocks_per_sm=hw.max_blocks_per_sm, smem_per_sm=hw.smem_per_sm,
+                        smem_reserved_per_block=hw.smem_reserved_per_block)
+    if occ < 1:
+        raise ValueError(f"{kernel} (Br={Br}, Bc={Bc}, d={shape.d}, {dtype}) does not fit one "
+                         f"SM of {hw.name}: {smem} bytes of shared memory, {threads} threads "
+                         f"of {regs} registers")
+    return Launch(kernel=kernel, phase=spec.phase, over=spec.over, order=spec.order,
+                  grid=K.grid(kernel, shape.Nq, shape.Nk, Br, Bc, shape.problems),
+                  threads=threads, registers=regs, smem_bytes=smem, ctas_per_sm=occ, Br=Br,
+                  Bc=Bc, rows=K.grid_rows(kernel, Br, Bc), reduces=spec.reduces, hardware=hw)
+
+
+def launches(shape: Shape, io_dtype, hardware, *, backward: bool = False,
+             launch: str = "auto", block_sizes=None,
+             deterministic: bool = False) -> tuple[Launch, ...]:
+    """The launches the project's kernels make for this problem on ``hardware``: the
+    forward (one kernel) or the backward (pre-pass, main kernel, post-pass)."""
+    hw = get_hardware(hardware)
+    dtype = dtype_name(io_dtype)
+    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, backward)
+    Br, Bc = kernel_tiles(rung, shape, dtype, hw, block_sizes, backward)
+    if not backward:
+        name = {"wg": "flash2_fwd_wg", "tc": "flash2_fwd_tc", "ref": "flash2_fwd"}[rung]
+        return (_make_launch(name, shape, dtype, hw, Br, Bc),)
+    if rung == "tc":
+        names = ("flash2_bwd_preprocess_tc",
+                 "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc")
+    else:
+        names = ("flash2_bwd_preprocess", "flash2_bwd_main")
+    names += ("flash2_bwd_postprocess",)
+    return tuple(_make_launch(n, shape, dtype, hw, Br, Bc) for n in names)
+
+
+# -- the CTAs' programs ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stream:
+    """Tensors a CTA always moves together, tile by tile: one L2 entry per (problem,
+    tile). ``parts`` are (tensor, kind, bytes per row); a tile has B rows, the last of a
+    tensor of N rows N − t·B."""
+    name: str
+    parts: tuple
+    B: int
+    N: int
+
+    def rows(self, t):
+        return np.minimum(self.B, self.N - np.asarray(t, np.int64) * self.B)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(b for _, _, b in self.parts)
+
+    def bytes_of(self, kinds) -> int:
+        """Bytes per row of the parts of these kinds."""
+        return sum(b for _, k, b in self.parts if k in kinds)
+
+
+@dataclass
+class Access:
+    """A stream's tile accessed once by each CTA (``active`` ones), in its prologue or
+    epilogue; ``problem`` is the address-space problem (K/V's under GQA)."""
+    stream: Stream
+    problem: np.ndarray
+    tile: np.ndarray
+    active: np.ndarray
+
+
+@dataclass
+class Program:
+    """Every CTA's tile moves, CTAs in launch order: ``prologue`` accesses at its first
+    step, ``n`` inner steps over tiles lo, lo + 1, …, lo + n − 1 of ``inner`` (problem
+    ``inner_problem``), ``epilogue`` accesses at its last step. A CTA with no inner step
+    takes one time unit."""
+    prologue: list
+    inner: Stream | None
+    inner_problem: np.ndarray
+    lo: np.ndarray
+    n: np.ndarray
+    epilogue: list
+
+    @property
+    def length(self) -> np.ndarray:
+        return np.maximum(self.n, 1)
+
+
+def _kv_of(shape: Shape) -> np.ndarray:
+    """K/V problem of each query problem p (GQA groups and broadcast batch axes), as the
+    kernels' kv_index."""
+    if not shape.batch_shape:
+        return np.zeros(1, np.int64)
+    kb = (1,) * (len(shape.batch_shape) - len(shape.kv_batch_shape)) + tuple(shape.kv_batch_shape)
+    idx = np.arange(math.prod(kb), dtype=np.int64).reshape(kb)[..., None]
+    return np.broadcast_to(idx, canon_batch(shape)).reshape(-1).copy()
+
+
+def program(launch: Launch, shape: Shape, io_dtype, band) -> Program:
+    """The tile moves of every CTA of ``launch``, as the simulator's schedule makes them
+    (`Tiles.kv_ranges` / `Tiles.q_ranges` give each outer tile its visited range)."""
+    b, s = itemsize_of(io_dtype), STAT_BYTES
+    Nq, Nk, d, dv = shape.Nq, shape.Nk, shape.d, shape.dv
+    gx, P = launch.grid
+    bx = np.tile(np.arange(gx, dtype=np.int64), P)
+    p = np.repeat(np.arange(P, dtype=np.int64), gx)
+    t = launch.tile_of(bx)
+    kv = _kv_of(shape)[p]
+    zero = np.zeros(len(p), np.int64)
+    on = np.ones(len(p), bool)
+    tiles = Tiles(Nq, Nk, launch.Br, launch.Bc, band)
+    R = launch.rows
+    if launch.phase == "forward":
+        jlo, jhi = tiles.kv_ranges()
+        lo, n = jlo[t], np.maximum(jhi[t] - jlo[t] + 1, 0)
+        Q = Stream("Q", (("Q", READ, d * b),), R, Nq)
+        KV = Stream("KV", (("K", READ, d * b), ("V", READ, dv * b)), launch.Bc, Nk)
+        OL = Stream("OL", (("O", WRITE, dv * b), ("L", WRITE, s)), R, Nq)
+        return Program([Access(Q, p, t, n > 0)], KV, kv, lo, n, [Access(OL, p, t, on)])
+    if launch.phase == "backward-main":
+        ilo, ihi = tiles.q_ranges()
+        lo, n = ilo[t], np.maximum(ihi[t] - ilo[t] + 1, 0)
+        KV = Stream("KV", (("K", READ, d * b), ("V", READ, dv * b)), R, Nk)
+        step = Stream("QdOLD", (("Q", READ, d * b), ("dO", READ, dv * b), ("L", READ, s),
+                                ("D", READ, s), ("dQacc", REDUCE, d * s)), launch.Br, Nq)
+        dKV = Stream("dKdV", (("dK", WRITE, d * b), ("dV", WRITE, dv * b)), R, Nk)
+        return Program([Access(KV, kv, t, n > 0)], step, p, lo, n, [Access(dKV, p, t, on)])
+    if launch.phase == "backward-pre":
+        OdO = Stream("OdO", (("O", READ, dv * b), ("dO", READ, dv * b)), R, Nq)
+        DQ = Stream("DdQacc", (("D", WRITE, s), ("dQacc", WRITE, d * s)), R, Nq)
+        return Program([Access(OdO, p, t, on)], None, p, zero, zero, [Access(DQ, p, t, on)])
+    if launch.phase == "backward-post":
+        acc = Stream("dQacc", (("dQacc", READ, d * s),), R, Nq)
+        dQ = Stream("dQ", (("dQ", WRITE, d * b),), R, Nq)
+        return Program([Access(acc, p, t, on)], None, p, zero, zero, [Access(dQ, p, t, on)])
+    raise ValueError(f"no program for phase {launch.phase!r}")
+
+
+def _span(stream: Stream, lo, n) -> np.ndarray:
+    """Rows of tiles lo..lo+n−1 of ``stream`` (0 where n = 0)."""
+    hi = lo + n - 1
+    return np.where(n > 0, np.minimum((hi + 1) * stream.B, stream.N) - lo * stream.B, 0)
+
+
+def sm_l2_traffic(prog: Program) -> Traffic:
+    """What the SMs move to and from L2: every access of every CTA, reductions as such."""
+    rows: dict[Stream, int] = {}
+    for a in prog.prologue + prog.epilogue:
+        rows[a.stream] = rows.get(a.stream, 0) + int(np.where(a.active, a.stream.rows(a.tile), 0).sum())
+    if prog.inner is not None:
+        rows[prog.inner] = rows.get(prog.inner, 0) + int(_span(prog.inner, prog.lo, prog.n).sum())
+    return _to_traffic(rows, (READ,), (WRITE,), (REDUCE,))
+
+
+def _to_traffic(rows: dict, read_kinds, write_kinds, reduce_kinds=(), streams=None) -> Traffic:
+    """Traffic of ``rows`` moved per stream (keys: streams, or indices into ``streams``)."""
+    reads, writes, reduces = {}, {}, {}
+    for stream, r in rows.items():
+        if streams is not None:
+            stream = streams[stream]
+        for tensor, kind, b in stream.parts:
+            for kinds, out in ((read_kinds, reads), (write_kinds, writes),
+                               (reduce_kinds, reduces)):
+                if kind in kinds:
+                    out[tensor] = out.get(tensor, 0) + r * b
+    return Traffic(reads, writes, reduces)
+
+
+# -- dispatch ---------------------------------------------------------------------------
+
+def dispatch(lengths: np.ndarray, slots: int) -> np.ndarray:
+    """Start time of each CTA (launch order) when each takes the first free slot and runs
+    for ``lengths`` time units."""
+    lengths = np.asarray(lengths, np.int64)
+    n = len(lengths)
+    if n <= slots:
+        return np.zeros(n, np.int64)
+    if (lengths == lengths[0]).all():
+        return (np.arange(n, dtype=np.int64) // slots) * lengths[0]
+    start = np.zeros(n, np.int64)
+    free = [(0, k) for k in range(slots)]
+    heapq.heapify(free)
+    push, pop = heapq.heappush, heapq.heappop
+    for c, L in enumerate(lengths.tolist()):
+        t, k = pop(free)
+        start[c] = t
+        push(free, (t + L, k))
+    return start
+
+
+# -- the L2 -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class L2Result:
+    dram: Traffic
+    writeback: Traffic
+    compulsory: Traffic
+    makespan: int
+    superblock: int
+    events: int
+
+
+def _cohorts(prog: Program, start: np.ndarray):
+    """CTAs that start at the same time on the same problem and first tile: their inner
+    accesses coincide step for step. Returns the CTAs with inner steps (sorted by
+    cohort), each one's cohort, and where each cohort begins."""
+    idx = np.nonzero(prog.n > 0)[0]
+    key = np.stack([start[idx], prog.inner_problem[idx], prog.lo[idx]])
+    order = np.lexsort(key[::-1])
+    idx, key = idx[order], key[:, order]
+    new = np.ones(len(idx), bool)
+    new[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+    return idx, np.cumsum(new) - 1, new
+
+
+def _inner_count(lo: np.ndarray, longest: np.ndarray, G: int) -> int:
+    """Folded inner accesses when G consecutive tiles form one entry."""
+    return int(((lo + longest - 1) // G - lo // G + 1).sum())
+
+
+def _inner_events(prog: Program, start, max_events):
+    """Folded inner accesses: (time, seq, problem, superblock, first, last tile offset in
+    it, mult) and the superblock size G."""
+    idx, cohort, new = _cohorts(prog, start)
+    C = cohort[-1] + 1
+    n = prog.n[idx]
+    longest = np.zeros(C, np.int64)
+    np.maximum.at(longest, cohort, n)
+    first = idx[new]                             # the cohort's first CTA in launch order
+    t0, lo = start[first], prog.lo[first]
+    G = 1
+    while _inner_count(lo, longest, G) > max_events and G < int(longest.max()):
+        G *= 2
+    J0, J1 = lo // G, (lo + longest - 1) // G
+    per = J1 - J0 + 1
+    E = int(per.sum())
+    ev_c = np.repeat(np.arange(C), per)
+    offs = np.concatenate([[0], np.cumsum(per)[:-1]])
+    J = J0[ev_c] + np.arange(E, dtype=np.int64) - offs[ev_c]
+    a = np.maximum(J * G, lo[ev_c])                          # first tile touched in J
+    e = np.minimum((J + 1) * G, lo[ev_c] + longest[ev_c]) - 1  # last
+    s = a - lo[ev_c]                                         # the step that enters J
+    # multiplicity: members of the cohort still running at step s
+    big = int(n.max()) + 1
+    keys = np.sort(cohort * big + n)
+    size = np.bincount(cohort, minlength=C)
+    first_pos = np.concatenate([[0], np.cumsum(size)[:-1]])
+    done = np.searchsorted(keys, ev_c * big + s, side="right") - first_pos[ev_c]
+    mult = size[ev_c] - done
+    return (t0[ev_c] + s, first[ev_c], prog.inner_problem[first][ev_c], J, a - J * G,
+            e - J * G, mult), G
+
+
+def simulate_l2(prog: Program, slots: int, capacity: int, *,
+                max_events: int = MAX_EVENTS) -> L2Result:
+    """Run the CTAs' accesses through an LRU, write-back L2 of ``capacity`` bytes (see the
+    module's docstring for the rules)."""
+    start = dispatch(prog.length, slots)
+    L = prog.length
+    makespan = int((start + L).max()) if len(start) else 0
+    streams: list[Stream] = []
+    cols = []          # time, order, seq, stream, problem, entry, first, last offset, mult
+    for order, accesses, when in ((0, prog.prologue, start), (2, prog.epilogue, start + L - 1)):
+        for acc in accesses:
+            m = acc.active
+            k = int(m.sum())
+            streams.append(acc.stream)
+            z = np.zeros(k, np.int64)
+            cols.append((when[m], np.full(k, order), np.nonzero(m)[0],
+                         np.full(k, len(streams) - 1), acc.problem[m], acc.tile[m], z, z,
+                         np.ones(k, np.int64)))
+    G = 1
+    if prog.inner is not None and (prog.n > 0).any():
+        streams.append(prog.inner)
+        (t, seq, pr, J, a, e, mult), G = _inner_events(prog, start, max_events)
+        cols.append((t, np.ones(len(t), np.int64), seq, np.full(len(t), len(streams) - 1),
+                     pr, J, a, e, mult))
+    time, order, seq, st, prob, ent, a, e, mult = (
+        np.concatenate([c[i] for c in cols]).astype(np.int64) for i in range(9))
+    srt = np.lexsort((seq, order, time))
+    st, prob, ent, a, e, mult = st[srt], prob[srt], ent[srt], a[srt], e[srt], mult[srt]
+    # G tiles per entry of the streamed tensor, 1 for the others
+    g = np.array([G if (prog.inner is not None and k == len(streams) - 1 and
+                        streams[k] is prog.inner) else 1 for k in range(len(streams))])
+    B = np.array([x.B for x in streams])
+    last = np.array([-(-x.N // x.B) - 1 for x in streams])      # each tensor's last tile
+    deficit = np.array([x.B * (lt + 1) - x.N for x, lt in zip(streams, last)])
+    tile_a, tile_e = ent * g[st] + a, ent * g[st] + e
+    rows = (tile_e - tile_a + 1) * B[st] - np.where(tile_e == last[st], deficit[st], 0)
+    # the last tile's bit, where this entry holds it (its rows are fewer than B)
+    edge = np.where(last[st] // g[st] == ent, last[st] % g[st], -1)
+    span = int(ent.max()) + 1 if len(ent) else 1
+    nprob = int(prob.max()) + 1 if len(prob) else 1
+    keys = (st * nprob + prob) * span + ent
+    row_bytes = [x.row_bytes for x in streams]
+    dirty = [x.bytes_of((WRITE, REDUCE)) > 0 for x in streams]
+    Bs, defs = B.tolist(), deficit.tolist()
+    fetched = [0] * len(streams)      # rows read from DRAM, per stream
+    written = [0] * len(streams)      # rows written back during the launch
+    cache: OrderedDict = OrderedDict()    # key -> [stream, loaded-tile mask, rows]
+    used = 0
+    for key, k, lo_, hi_, r, eb, m in zip(keys.tolist(), st.tolist(), a.tolist(), e.tolist(),
+                                           rows.tolist(), edge.tolist(), mult.tolist()):
+        mask = ((1 << (hi_ + 1)) - 1) ^ ((1 << lo_) - 1)
+        entry = cache.get(key)
+        if entry is not None:
+            cache.move_to_end(key)
+            miss = mask & ~entry[1]
+            if not miss:
+                continue
+            got = miss.bit_count() * Bs[k] - (defs[k] if eb >= 0 and miss >> eb & 1 else 0)
+            entry[1] |= mask
+            entry[2] += got
+        else:
+            got = r
+            entry = cache[key] = [k, mask, r]
+        fetched[k] += got
+        used += got * row_bytes[k]
+        while used > capacity:
+            _, (k2, _, r2) = cache.popitem(last=False)
+            used -= r2 * row_bytes[k2]
+            if dirty[k2]:
+                written[k2] += r2
+        if m > 1 and key not in cache:           # too large to stay: every repeat misses
+            fetched[k] += r * (m - 1)
+            if dirty[k]:
+                written[k] += r * (m - 1)
+    left = [0] * len(streams)
+    for k, _, r in cache.values():
+        if dirty[k]:
+            left[k] += r
+    # compulsory: each distinct tile once
+    tiles_key = (st * nprob + prob) * (int(tile_e.max()) + 1 if len(tile_e) else 1)
+    distinct = [0] * len(streams)
+    for k in range(len(streams)):
+        sel = st == k
+        if g[k] == 1:
+            u, i = np.unique(tiles_key[sel] + tile_a[sel], return_index=True)
+            distinct[k] = int(rows[sel][i].sum())
+        else:     # union of tile ranges per problem
+            distinct[k] = _union_rows(prob[sel], tile_a[sel], tile_e[sel], streams[k])
+    fetch_kinds, write_kinds = (READ, REDUCE), (WRITE, REDUCE)
+    return L2Result(
+        dram=_to_traffic(dict(enumerate(fetched)), fetch_kinds, (), streams=streams)
+        + _to_traffic(dict(enumerate(written)), (), write_kinds, streams=streams),
+        writeback=_to_traffic(dict(enumerate(left)), (), write_kinds, streams=streams),
+        compulsory=_to_traffic(dict(enumerate(distinct)), fetch_kinds, write_kinds,
+                               streams=streams),
+        makespan=makespan, superblock=G, events=len(keys))
+
+
+def _union_rows(prob, a, e, stream: Stream) -> int:
+    """Rows in the union of tile ranges [a, e] per problem."""
+    order = np.lexsort((a, prob))
+    prob, a, e = prob[order], a[order], e[order]
+    total = 0
+    for p in np.unique(prob):
+        sel = prob == p
+        aa, ee = a[sel], e[sel]
+        reach = np.maximum.accumulate(ee)
+        starts = np.concatenate([[True], aa[1:] > reach[:-1]])
+        seg_a = aa[starts]
+        seg_e = np.append(reach[np.nonzero(starts)[0][1:] - 1], reach[-1])
+        total += int(_span(stream, seg_a, seg_e - seg_a + 1).sum())
+    return total
+
+
+# -- predictions --------------------------------------------------------------------------
+
+def step_flops(launch: Launch, shape: Shape) -> int:
+    """FLOPs of one full inner step (one tile pair) of ``launch``'s CTAs."""
+    d, dv = shape.d, shape.dv
+    if launch.phase == "forward":
+        return 2 * launch.Br * launch.Bc * (d + dv)
+    if launch.phase == "backward-main":
+        return 2 * launch.Br * launch.Bc * (3 * d + 2 * dv)
+    return 0
+
+
+def efficiency(kernel: str, d: int) -> float:
+    """η of a kernel (see `EFFICIENCY`); the reference kernels' does not depend on d."""
+    return EFFICIENCY.get((kernel, d), EFFICIENCY.get((kernel, None), 0.0))
+
+
+@dataclass(frozen=True)
+class LaunchPrediction:
+    """One launch's traffic at each level, write-back left in L2, and predicted time."""
+    launch: Launch
+    levels: Levels
+    writeback: Traffic
+    flops: int
+    makespan: int
+    superblock: int
+    time_s: float
+    time_parts: dict
+
+    def summary(self) -> str:
+        L = self.launch
+        return (f"{L.kernel}: grid {L.grid[0]}×{L.grid[1]} of {L.threads} threads, tiles "
+                f"{L.Br}×{L.Bc}, {L.ctas_per_sm} CTA/SM, {L.waves:.2f} waves; predicted "
+                f"{self.time_s * 1e3:.3f} ms (compute {self.time_parts['compute'] * 1e3:.3f}, "
+                f"DRAM {self.time_parts['dram'] * 1e3:.3f}, L2 {self.time_parts['l2'] * 1e3:.3f})")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The three-level prediction of a forward (one launch) or backward (pre-pass, main
+    kernel, post-pass): ``levels`` and ``time_s`` summed over the launches."""
+    launches: tuple
+    traffic: Traffic          # the two-level count (SRAM↔memory) for the same tiles
+
+    @property
+    def levels(self) -> Levels:
+        out = self.launches[0].levels
+        for lp in self.launches[1:]:
+            out = out + lp.levels
+        return out
+
+    @property
+    def writeback(self) -> Traffic:
+        return sum((lp.writeback for lp in self.launches), Traffic())
+
+    @property
+    def time_s(self) -> float:
+        return sum(lp.time_s for lp in self.launches)
+
+    @property
+    def flops(self) -> int:
+        return sum(lp.flops for lp in self.launches)
+
+    def table(self, unit: str = "auto") -> str:
+        lines = [lp.summary() for lp in self.launches]
+        lines.append(self.levels.table(unit))
+        if self.writeback.total_bytes:
+            lines.append(f"(plus {self.writeback.write_bytes:,} bytes written in L2 that reach "
+                         "DRAM after the launch)")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+
+def predict(shape: Shape, io_dtype, band, hardware, *, backward: bool = False,
+            launch: str = "auto", block_sizes=None, deterministic: bool = False,
+            traffic: Traffic | None = None, max_events: int = MAX_EVENTS) -> Prediction:
+    """Three-level prediction for the project's kernels on ``hardware`` (see the module)."""
+    hw = get_hardware(hardware)
+    out = []
+    for L in launches(shape, io_dtype, hw, backward=backward, launch=launch,
+                      block_sizes=block_sizes, deterministic=deterministic):
+        prog = program(L, shape, io_dtype, band)
+        sm = sm_l2_traffic(prog)
+        l2 = simulate_l2(prog, L.slots, hw.l2_bytes, max_events=max_events)
+        F = step_flops(L, shape)
+        flops = F * int(prog.n.sum())
+        eta = efficiency(L.kernel, shape.d)
+        per_slot = eta * hw.peak_flops / L.slots if eta > 0 else math.inf
+        parts = {"compute": l2.makespan * F / per_slot if F else 0.0,
+                 "dram": l2.dram.total_bytes / hw.dram_sustained_bytes_per_s,
+                 "l2": sm.total_bytes / hw.l2_bytes_per_s}
+        out.append(LaunchPrediction(
+            launch=L, levels=Levels({"SM-L2": sm, "L2-DRAM": l2.dram, "compulsory": l2.compulsory}),
+            writeback=l2.writeback, flops=flops, makespan=l2.makespan,
+            superblock=l2.superblock, time_s=max(parts.values()), time_parts=parts))
+    return Prediction(tuple(out), traffic if traffic is not None else Traffic())
+
+
+def check_hardware_args(algorithm: str, sram_bytes, block_sizes, launch) -> None:
+    """The three-level model runs the kernels' schedule (flash2) with the kernels' tiles."""
+    if algorithm != "flash2":
+        raise ValueError(f"hardware= models the project's GPU kernels, which run flash2; "
+                         f"algorithm {algorithm!r} has no kernel (use algorithm='flash2', or "
+                         "drop hardware= for the two-level count)")
+    if sram_bytes is not None:
+        raise ValueError("with hardware= the tiles are the kernel's: drop sram_bytes (pass "
+                         "block_sizes=(Br, Bc) to model the reference kernel with other tiles)")
+    if launch not in RUNGS:
+        raise ValueError(f"launch must be one of {RUNGS}, got {launch!r}")
+
+
+def tiles_for(shape: Shape, io_dtype, hardware, *, backward: bool, launch: str,
+              block_sizes) -> tuple[int, int]:
+    """(Br, Bc) of the schedule the kernel ``launch`` runs on ``hardware``."""
+    hw = get_hardware(hardware)
+    dtype = dtype_name(io_dtype)
+    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, backward)
+    return kernel_tiles(rung, shape, dtype, hw, block_sizes, backward)
+
+
+__all__ = ["Levels", "Launch", "Prediction", "LaunchPrediction", "launches", "predict",
+           "program", "simulate_l2", "sm_l2_traffic", "dispatch", "EFFICIENCY", "LEVELS"]
