@@ -28,9 +28,6 @@ from dataclasses import dataclass, fields
 KiB = 2**10
 MiB = 2**20
 
-# L2 read bandwidth of the H100, measured here (analysis/model_vs_hardware.py --probe)
-H100_L2_BYTES_PER_S = 7.0e12
-
 
 @dataclass(frozen=True, kw_only=True)
 class GPU:
@@ -47,7 +44,11 @@ class GPU:
     compute capability 8.0 on). ``l2_bytes``: L2 cache size, ``l2_line_bytes`` and
     ``l2_sector_bytes`` its line and sector (the unit DRAM traffic is counted in).
     ``regs_per_sm``, ``max_threads_per_sm``, ``max_blocks_per_sm``: the other limits on
-    how many thread blocks an SM holds at once (occupancy).
+    how many thread blocks an SM holds at once (occupancy). ``l2_retention`` = (lo, hi)
+    bytes: what the L2 keeps of a buffer that every SM reads twice in a row — all of it
+    up to lo, none from hi, the re-read fraction rising linearly between (fitted to
+    `analysis/model_vs_hardware.py --probe`); None where unmeasured (the model then
+    takes one LRU of ``l2_bytes``).
     """
     name: str
     compute_capability: int
@@ -67,10 +68,14 @@ class GPU:
     max_threads_per_sm: int = 2048
     max_blocks_per_sm: int = 32
     smem_reserved_per_block: int = 1024
+    l2_retention: tuple | None = None
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "l2_retention":
+                self._check_retention(value)
+                continue
             if f.name in ("name", "source"):
                 if not isinstance(value, str) or not value:
                     raise TypeError(f"GPU.{f.name} must be a non-empty string, got {value!r}")
@@ -86,9 +91,33 @@ class GPU:
             raise ValueError(
                 f"GPU {self.name!r}: need smem_per_block <= smem_per_sm <= l1_smem_per_sm, got "
                 f"{self.smem_per_block}, {self.smem_per_sm}, {self.l1_smem_per_sm}")
+        if self.l2_retention is not None and self.l2_retention[1] > self.l2_bytes:
+            raise ValueError(f"GPU {self.name!r}: l2_retention {self.l2_retention} reaches past "
+                             f"l2_bytes ({self.l2_bytes})")
         if self.l2_line_bytes % self.l2_sector_bytes:
             raise ValueError(f"GPU {self.name!r}: l2_line_bytes ({self.l2_line_bytes}) must be a "
                              f"multiple of l2_sector_bytes ({self.l2_sector_bytes})")
+
+    @staticmethod
+    def _check_retention(value):
+        if value is None:
+            return
+        if (not isinstance(value, tuple) or len(value) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in value)
+                or not 0 <= value[0] <= value[1]):
+            raise ValueError(f"GPU.l2_retention must be None or a pair of byte counts "
+                             f"(lo, hi) with 0 <= lo <= hi, got {value!r}")
+
+    @property
+    def l2_capacities(self) -> tuple[int, ...]:
+        """The LRU capacities `flashsim.hierarchy` averages over: ``l2_bytes`` alone, or,
+        with ``l2_retention = (lo, hi)``, four spread evenly over (lo, hi) (the midpoints
+        of its quarters), whose average re-reads a buffer of X bytes read twice in the
+        fraction that rises linearly from 0 at lo to 1 at hi, as the probe measures."""
+        if self.l2_retention is None:
+            return (self.l2_bytes,)
+        lo, hi = self.l2_retention
+        return tuple(int(lo + (hi - lo) * (k + 0.5) / 4) for k in range(4))
 
     @property
     def ridge(self) -> float:
@@ -134,12 +163,13 @@ H100 = GPU(
     peak_flops=989.4e12,
     hbm_bytes_per_s=3.35e12,
     dram_sustained_bytes_per_s=3.0e12,
-    l2_bytes_per_s=H100_L2_BYTES_PER_S,
+    l2_bytes_per_s=6.31e12,
     smem_per_sm=228 * KiB,
     l1_smem_per_sm=256 * KiB,
     smem_per_block=227 * KiB,
     num_sms=132,
     l2_bytes=50 * MiB,
+    l2_retention=(31_500_000, 48_000_000),
     source=("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 1,979 TFLOPS FP16/BF16 tensor "
             "core with sparsity = 989.4 dense, 3.35 TB/s HBM3; NVIDIA H100 Tensor Core GPU "
             "Architecture whitepaper and CUDA C++ Programming Guide (compute capability "
@@ -156,19 +186,22 @@ H200 = GPU(
     peak_flops=989.4e12,
     hbm_bytes_per_s=4.8e12,
     dram_sustained_bytes_per_s=4.3e12,
-    l2_bytes_per_s=H100_L2_BYTES_PER_S,
+    l2_bytes_per_s=7.06e12,
     smem_per_sm=228 * KiB,
     l1_smem_per_sm=256 * KiB,
     smem_per_block=227 * KiB,
     num_sms=132,
     l2_bytes=60 * MiB,
+    l2_retention=(38_500_000, 52_750_000),
     source=("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS FP16/BF16 tensor "
             "core with sparsity = 989.4 dense, 4.8 TB/s HBM3e, 141 GB; the GH100 SM "
             "configuration of H100 SXM (compute capability 9.0): 132 SMs, 256 KB combined "
             "L1/shared memory per SM of which up to 228 KB shared, 227 KB per thread "
             "block; L2 60 MB as the device reports it (cudaDevAttrL2CacheSize, read on an "
-            "H200 here); a device-to-device copy moves 4.3 TB/s here; L2 bandwidth taken "
-            "as the H100's (same chip and clocks)"),
+            "H200 here); measured on an H200 here (analysis/model_vs_hardware.py --probe, "
+            "2026-11-23): a device-to-device copy moves 4.3 TB/s, reads that hit L2 7.06 "
+            "TB/s, a buffer read twice by all SMs is kept whole up to 38.5 MB and not at "
+            "all from 52.75 MB"),
 )
 
 PRESETS: dict[str, GPU] = {"A100": A100, "H100": H100, "H200": H200}

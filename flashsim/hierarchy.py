@@ -79,14 +79,16 @@ READ, WRITE, REDUCE = "read", "write", "reduce"
 MAX_EVENTS = 300_000
 
 # η: the fraction of peak_flops one SM sustains in the kernel's inner loop, measured on an
-# NVIDIA H100 80GB HBM3 (ncu's gpu__time_duration at N = 16384, 8 heads, no mask, float16;
-# analysis/model_vs_hardware.py --calibrate), keyed by (kernel, d).
+# NVIDIA H100 80GB HBM3 on 2026-11-23 (ncu's gpu__time_duration, L2 flushed, float16; the
+# rows marked calib in analysis/out/model_vs_hardware.md: N = 16384, 8 heads, no mask, and
+# the reference rung at N = 4096, 4 heads, d = 64), keyed by (kernel, d); the reference
+# kernels' η is the same for every d.
 EFFICIENCY = {
-    ("flash2_fwd_wg", 64): 0.42, ("flash2_fwd_wg", 128): 0.49,
-    ("flash2_fwd_tc", 64): 0.33, ("flash2_fwd_tc", 128): 0.37,
-    ("flash2_bwd_tc", 64): 0.25, ("flash2_bwd_tc", 128): 0.27,
-    ("flash2_bwd_tc_det", 64): 0.22, ("flash2_bwd_tc_det", 128): 0.23,
-    ("flash2_fwd", None): 0.0008, ("flash2_bwd_main", None): 0.0006,
+    ("flash2_fwd_wg", 64): 0.410, ("flash2_fwd_wg", 128): 0.485,
+    ("flash2_fwd_tc", 64): 0.334, ("flash2_fwd_tc", 128): 0.394,
+    ("flash2_bwd_tc", 64): 0.251, ("flash2_bwd_tc", 128): 0.288,
+    ("flash2_bwd_tc_det", 64): 0.206, ("flash2_bwd_tc_det", 128): 0.240,
+    ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
 
@@ -541,10 +543,10 @@ def _inner_events(prog: Program, start, max_events):
             e - J * G, mult), G
 
 
-def simulate_l2(prog: Program, slots: int, capacity: int, *,
+def simulate_l2(prog: Program, slots: int, capacity, *,
                 max_events: int = MAX_EVENTS) -> L2Result:
-    """Run the CTAs' accesses through an LRU, write-back L2 of ``capacity`` bytes (see the
-    module's docstring for the rules)."""
+    """Run the CTAs' accesses through an LRU, write-back L2 of ``capacity`` bytes, or the
+    average of LRUs of each capacity in a sequence (see the module's docstring)."""
     start = dispatch(prog.length, slots)
     L = prog.length
     makespan = int((start + L).max()) if len(start) else 0
@@ -584,9 +586,37 @@ def simulate_l2(prog: Program, slots: int, capacity: int, *,
     keys = (st * nprob + prob) * span + ent
     row_bytes = [x.row_bytes for x in streams]
     dirty = [x.bytes_of((WRITE, REDUCE)) > 0 for x in streams]
-    Bs, defs = B.tolist(), deficit.tolist()
-    fetched = [0] * len(streams)      # rows read from DRAM, per stream
-    written = [0] * len(streams)      # rows written back during the launch
+    caps = (capacity,) if isinstance(capacity, (int, np.integer)) else tuple(capacity)
+    runs = [_lru(keys, st, a, e, rows, edge, mult, len(streams), B.tolist(), deficit.tolist(),
+                 row_bytes, dirty, int(c)) for c in caps]
+    # the average over the capacities (one LRU: its counts as they are)
+    fetched, written, left = ([round(sum(r[i][k] for r in runs) / len(runs))
+                               for k in range(len(streams))] for i in range(3))
+    # compulsory: each distinct tile once
+    tiles_key = (st * nprob + prob) * (int(tile_e.max()) + 1 if len(tile_e) else 1)
+    distinct = [0] * len(streams)
+    for k in range(len(streams)):
+        sel = st == k
+        if g[k] == 1:
+            u, i = np.unique(tiles_key[sel] + tile_a[sel], return_index=True)
+            distinct[k] = int(rows[sel][i].sum())
+        else:     # union of tile ranges per problem
+            distinct[k] = _union_rows(prob[sel], tile_a[sel], tile_e[sel], streams[k])
+    fetch_kinds, write_kinds = (READ, REDUCE), (WRITE, REDUCE)
+    return L2Result(
+        dram=_to_traffic(dict(enumerate(fetched)), fetch_kinds, (), streams=streams)
+        + _to_traffic(dict(enumerate(written)), (), write_kinds, streams=streams),
+        writeback=_to_traffic(dict(enumerate(left)), (), write_kinds, streams=streams),
+        compulsory=_to_traffic(dict(enumerate(distinct)), fetch_kinds, write_kinds,
+                               streams=streams),
+        makespan=makespan, superblock=G, events=len(keys))
+
+
+def _lru(keys, st, a, e, rows, edge, mult, nstreams, Bs, defs, row_bytes, dirty, capacity):
+    """One pass of the accesses through an LRU of ``capacity`` bytes: rows fetched from
+    DRAM, rows written back during the launch and rows left dirty, per stream."""
+    fetched = [0] * nstreams      # rows read from DRAM, per stream
+    written = [0] * nstreams      # rows written back during the launch
     cache: OrderedDict = OrderedDict()    # key -> [stream, loaded-tile mask, rows]
     used = 0
     for key, k, lo_, hi_, r, eb, m in zip(keys.tolist(), st.tolist(), a.tolist(), e.tolist(),
@@ -615,28 +645,11 @@ def simulate_l2(prog: Program, slots: int, capacity: int, *,
             fetched[k] += r * (m - 1)
             if dirty[k]:
                 written[k] += r * (m - 1)
-    left = [0] * len(streams)
+    left = [0] * nstreams
     for k, _, r in cache.values():
         if dirty[k]:
             left[k] += r
-    # compulsory: each distinct tile once
-    tiles_key = (st * nprob + prob) * (int(tile_e.max()) + 1 if len(tile_e) else 1)
-    distinct = [0] * len(streams)
-    for k in range(len(streams)):
-        sel = st == k
-        if g[k] == 1:
-            u, i = np.unique(tiles_key[sel] + tile_a[sel], return_index=True)
-            distinct[k] = int(rows[sel][i].sum())
-        else:     # union of tile ranges per problem
-            distinct[k] = _union_rows(prob[sel], tile_a[sel], tile_e[sel], streams[k])
-    fetch_kinds, write_kinds = (READ, REDUCE), (WRITE, REDUCE)
-    return L2Result(
-        dram=_to_traffic(dict(enumerate(fetched)), fetch_kinds, (), streams=streams)
-        + _to_traffic(dict(enumerate(written)), (), write_kinds, streams=streams),
-        writeback=_to_traffic(dict(enumerate(left)), (), write_kinds, streams=streams),
-        compulsory=_to_traffic(dict(enumerate(distinct)), fetch_kinds, write_kinds,
-                               streams=streams),
-        makespan=makespan, superblock=G, events=len(keys))
+    return fetched, written, left
 
 
 def _union_rows(prob, a, e, stream: Stream) -> int:
@@ -740,7 +753,7 @@ def predict(shape: Shape, io_dtype, band, hardware, *, backward: bool = False,
                       block_sizes=block_sizes, deterministic=deterministic):
         prog = program(L, shape, io_dtype, band)
         sm = sm_l2_traffic(prog)
-        l2 = simulate_l2(prog, L.slots, hw.l2_bytes, max_events=max_events)
+        l2 = simulate_l2(prog, L.slots, hw.l2_capacities, max_events=max_events)
         F = step_flops(L, shape)
         flops = F * int(prog.n.sum())
         eta = efficiency(L.kernel, shape.d)

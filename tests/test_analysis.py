@@ -246,5 +246,39 @@ def test_model_vs_hardware_says_it_needs_a_gpu(capsys, tmp_path):
     mod = load("model_vs_hardware")
     assert mod.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
-    assert len(mod.CONFIGS) >= 12
-    assert {c[0] for c in mod.CONFIGS} == {"tc", "ref"}
+    configs = mod.CONFIGS
+    assert len(configs) >= 24
+    assert {c[1] for c in configs} == {"wg", "tc", "ref"} and {c[0] for c in configs} == {"fwd", "bwd"}
+    assert any(c[7] for c in configs) and any(c[6] for c in configs)        # det, causal
+    assert any(c[3] != c[4] for c in configs)                                # GQA
+    past_l2 = [c for c in configs if c[2] * c[5] * 2 * 2 > fs.hardware.H100.l2_bytes]
+    assert len(past_l2) >= 8
+
+
+def test_model_vs_hardware_rebuilds_its_tables_from_a_saved_run(tmp_path):
+    """--from-json recomputes the model beside saved measurements (here, the model's own
+    numbers standing in for ncu's, so every ratio is 1)."""
+    mod = load("model_vs_hardware")
+    configs = mod.CONFIGS[:3] + [c for c in mod.CONFIGS if c[0] == "bwd"][:1]
+    measured = []
+    for cfg in configs:
+        pred = mod.predict(cfg, fs.hardware.H100)
+        if cfg[0] == "bwd":
+            measured.append({"ncu_kernel": "void flash2_fwd_tc<__half, 64>(...)",
+                             "dram_read": 1, "dram_write": 1, "l2_read": 1, "l2_write": 1,
+                             "l2_red": 0, "time_s": 1e-3})
+        for lp in pred.launches:
+            lv = lp.levels
+            measured.append({"ncu_kernel": f"void {lp.launch.kernel}<__half, 64>(int)",
+                             "dram_read": lv.dram.read_bytes, "dram_write": lv.dram.write_bytes,
+                             "l2_read": lv.sm_l2.read_bytes, "l2_write": lv.sm_l2.write_bytes,
+                             "l2_red": lv.sm_l2.reduce_bytes, "time_s": lp.time_s})
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"meta": {"gpu": "test", "preset": "H100", "date": "today",
+                                          "configs": [list(c) for c in configs], "ncu": "ncu"},
+                                 "measured": measured}))
+    assert mod.main(["--from-json", str(saved), "--out", str(tmp_path), "--name", "t"]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert len(rows) == 3 + 3
+    assert all(mod.ratio(r["dram_read"], r["pred_dram_read"]) == 1 for r in rows)
+    assert "DRAM read" in (tmp_path / "t.md").read_text()

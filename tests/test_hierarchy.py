@@ -1,0 +1,395 @@
+"""The three-level model (flashsim.hierarchy): its limits (an L2 larger than the problem,
+an L2 of zero bytes), monotonicity in the L2's size, a case worked by hand, its programs
+against the simulator's own schedule, and the launch table against the kernels' sources."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashsim as fs
+from flashsim import hierarchy as h
+from flashsim import kernels as K
+from flashsim.hardware import H100, GPU
+from flashsim.memory import Machine
+from flashsim.problem import make_shape
+from flashsim.variants import make_band
+
+
+def gpu(l2_bytes, num_sms=4, **kw):
+    """A small GPU (few SMs) with a plain LRU L2 of ``l2_bytes``."""
+    return dataclasses.replace(H100, name="test GPU", num_sms=num_sms, l2_bytes=l2_bytes,
+                               l2_retention=None, **kw)
+
+
+problems = st.fixed_dictionaries({
+    "N": st.integers(1, 700), "Nk": st.integers(1, 700), "heads": st.sampled_from([1, 2, 4]),
+    "groups": st.sampled_from([1, 2]), "d": st.sampled_from([64, 128]),
+    "causal": st.booleans(), "backward": st.booleans(), "det": st.booleans(),
+    "launch": st.sampled_from(["auto", "tc", "ref"]),
+    "dtype": st.sampled_from(["float16", "bfloat16"])})
+
+
+def predict(p, hw):
+    kw = dict(Nq=p["N"], Nk=p["Nk"], d=p["d"], batch_shape=(2, p["heads"] * p["groups"]),
+              kv_batch_shape=(2, p["heads"]), causal=p["causal"], io_dtype=p["dtype"],
+              hardware=hw, launch=p["launch"])
+    if p["backward"]:
+        return fs.count_backward("flash2", deterministic=p["det"], **kw)
+    return fs.count("flash2", **kw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems)
+def test_an_l2_larger_than_the_problem_moves_the_compulsory_bytes(p):
+    pred = predict(p, gpu(2**40))
+    for lp in pred.launches:
+        lv = lp.levels
+        # every distinct byte read once; every byte written reaches DRAM once (during the
+        # launch or after it)
+        assert lv.dram.reads == lv.compulsory.reads
+        assert (lv.dram + lp.writeback).writes == lv.compulsory.writes
+        assert lv.dram.reduces == {} and lv.compulsory.reduces == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems)
+def test_an_l2_of_zero_bytes_moves_the_two_level_count(p):
+    pred = predict(p, gpu(0))
+    lv = pred.levels
+    # the SMs' traffic is the two-level count, with the kernels' atomics as reductions
+    assert lv.sm_l2.reductions_as_reads_and_writes() == pred.traffic
+    # with no L2, DRAM sees every access: reductions as a read and a write each
+    assert lv.dram == pred.traffic
+    assert pred.writeback == fs.Traffic()
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems, st.lists(st.integers(0, 3 * 2**20), min_size=2, max_size=4))
+def test_dram_traffic_never_rises_as_l2_grows(p, sizes):
+    previous = None
+    for size in sorted(sizes):
+        pred = predict(p, gpu(size))
+        lv = pred.levels
+        assert lv.dram.read_bytes >= lv.compulsory.read_bytes
+        total = [(lp.levels.dram + lp.writeback).total_bytes for lp in pred.launches]
+        reads = [lp.levels.dram.read_bytes for lp in pred.launches]
+        if previous is not None:
+            assert all(r <= q for r, q in zip(reads, previous[0]))
+            assert all(t <= q for t, q in zip(total, previous[1]))
+        previous = reads, total
+
+
+def test_one_heads_kv_past_l2_is_read_once_per_wave():
+    """Worked by hand. One head, N = 1024, d = 64, float16, the reference kernel with
+    64×64 tiles: Tr = 16 CTAs, 2 SMs × 2 CTAs = 4 slots, so W = 4 waves of 4 CTAs that
+    sweep K/V in step. K + V = 2 · 1024 · 64 · 2 = 256 KiB. An L2 of 48 KiB holds only
+    part of it: each wave reads all of K and V again, and Q once (64 KiB of K and V tiles
+    per step never revisited within the reach of a 48 KiB LRU)."""
+    hw = gpu(48 * 1024, num_sms=2, max_blocks_per_sm=2)
+    pred = fs.count("flash2", Nq=1024, Nk=1024, d=64, io_dtype="float16", hardware=hw,
+                    launch="ref", block_sizes=(64, 64))
+    (lp,) = pred.launches
+    assert lp.launch.slots == 4 and lp.launch.ctas == 16 and lp.launch.waves == 4
+    KV = 1024 * 64 * 2
+    assert lp.levels.dram.reads == {"Q": KV, "K": 4 * KV, "V": 4 * KV}
+    # the SMs read K and V once per CTA: 16 times
+    assert lp.levels.sm_l2.reads == {"Q": KV, "K": 16 * KV, "V": 16 * KV}
+    # with room for K and V (256 KiB) plus what streams past, one read each
+    big = fs.count("flash2", Nq=1024, Nk=1024, d=64, io_dtype="float16",
+                   hardware=gpu(400 * 1024, num_sms=2, max_blocks_per_sm=2), launch="ref",
+                   block_sizes=(64, 64))
+    assert big.levels.dram.reads == {"Q": KV, "K": KV, "V": KV}
+    assert lp.makespan == 4 * 16 and big.launches[0].makespan == 64
+
+
+def test_dispatch_takes_the_first_free_slot():
+    assert h.dispatch(np.array([3, 1, 2, 2]), 2).tolist() == [0, 0, 1, 3]
+    assert h.dispatch(np.array([5, 5, 5, 5, 5]), 2).tolist() == [0, 0, 5, 5, 10]
+    assert h.dispatch(np.array([4, 1]), 8).tolist() == [0, 0]
+
+
+def test_causal_heavy_tiles_start_first():
+    shape = make_shape(Nq=1024, Nk=1024, d=128, batch_shape=(1, 1))
+    (L,) = h.launches(shape, "float16", H100)
+    assert L.kernel == "flash2_fwd_wg" and L.order == "reversed"
+    prog = h.program(L, shape, "float16", make_band(True, None))
+    # blockIdx.x = 0 runs the last Q tile, which sees every key tile
+    assert prog.n.tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+# -- the model's programs are the simulator's schedule --------------------------------
+
+class TraceMachine(Machine):
+    """Records every tile move of the simulator, in order."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.trace = []
+
+    def load(self, tensor, src, r0, r1, **kw):
+        self.trace.append(("read", tensor, r0, r1))
+        return super().load(tensor, src, r0, r1, **kw)
+
+    def store(self, tensor, dst, r0, r1, tile, **kw):
+        self.trace.append(("write", tensor, r0, r1))
+        return super().store(tensor, dst, r0, r1, tile, **kw)
+
+
+def program_trace(prog, launch, stream_rows=None):
+    """The moves of problem 0's CTAs, in tile order (the simulator's loop order)."""
+    P = launch.grid[1]
+    ctas = [c for c in range(len(prog.n)) if c // launch.grid[0] == 0]
+    tile_of = {c: int(launch.tile_of(c % launch.grid[0])) for c in ctas}
+    out = []
+
+    def moves(stream, t):
+        r0 = t * stream.B
+        r1 = min(r0 + stream.B, stream.N)
+        return [(k, tensor, r0, r1) for tensor, k, _ in stream.parts]
+
+    for c in sorted(ctas, key=lambda c: tile_of[c]):
+        for a in prog.prologue:
+            if a.active[c]:
+                out += moves(a.stream, int(a.tile[c]))
+        for s in range(int(prog.n[c])):
+            out += moves(prog.inner, int(prog.lo[c]) + s)
+        for a in prog.epilogue:
+            if a.active[c]:
+                out += moves(a.stream, int(a.tile[c]))
+    assert P >= 1
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 300), st.booleans(), st.sampled_from([64, 128]))
+def test_forward_program_is_the_simulators_schedule(Nq, Nk, causal, d):
+    import sys
+    S = sys.modules["flashsim.simulate"]     # (fs.simulate, the function, shadows it)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((Nq, d))
+    k, v = rng.standard_normal((Nk, d)), rng.standard_normal((Nk, d))
+    shape = make_shape(Nq=Nq, Nk=Nk, d=d)
+    (L,) = h.launches(shape, "float16", H100, launch="ref", block_sizes=(64, 32))
+    prog = h.program(L, shape, "float16", make_band(causal, None))
+    mc = TraceMachine(1, 2, None)
+    from flashsim.problem import canonical
+    from flashsim.tiling import Tiles
+    from flashsim.variants import make_scores
+    scores = make_scores(shape, 1.0, causal, None, None, None)
+    Q, K_, V = canonical(q, k, v, shape)
+    S._flash2(mc, Q, K_, V, shape, Tiles(Nq, Nk, 64, 32, scores.band), scores)
+    want = [(kind, t, r0, r1) for kind, t, r0, r1 in mc.trace]
+    assert program_trace(prog, L) == want
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 300), st.booleans())
+def test_backward_main_program_is_the_simulators_main_loop(Nq, Nk, causal):
+    import flashsim.backward as Bw
+    d = 64
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((Nq, d))
+    k, v = rng.standard_normal((Nk, d)), rng.standard_normal((Nk, d))
+    r = fs.simulate(q, k, v, "flash2", block_sizes=(32, 32), causal=causal)
+    shape = make_shape(Nq=Nq, Nk=Nk, d=d)
+    launches = h.launches(shape, "float16", H100, backward=True, launch="ref",
+                          block_sizes=(32, 64))
+    main = launches[1]
+    assert main.kernel == "flash2_bwd_main"
+    prog = h.program(main, shape, "float16", make_band(causal, None))
+    mc = TraceMachine(1, 2, None)
+    Machine_ = Bw.Machine
+    Bw.Machine = lambda *a, **kw: mc
+    try:
+        Bw.simulate_backward(q, k, v, r.out, r.lse, rng.standard_normal((Nq, d)), "flash2",
+                             block_sizes=(32, 64), causal=causal)
+    finally:
+        Bw.Machine = Machine_
+    # the simulator's main loop: after D and the whole-dQacc zeroing, before the post-pass;
+    # its dQacc read + write of a step is the kernel's reduction
+    trace = mc.trace
+    start = next(i for i, m in enumerate(trace) if m[1] == "dQacc") + 1
+    end = max(i for i, m in enumerate(trace) if m[1] in ("dK", "dV")) + 1
+    main_trace, merged = trace[start:end], []
+    for m in main_trace:
+        if m[1] == "dQacc" and m[0] == "write" and merged and merged[-1] == ("read", "dQacc", m[2], m[3]):
+            merged[-1] = ("reduce", "dQacc", m[2], m[3])
+        else:
+            merged.append(m)
+    assert program_trace(prog, main) == merged
+
+
+def test_sm_l2_traffic_is_the_two_level_count_with_reductions():
+    for causal in (False, True):
+        kw = dict(Nq=1000, Nk=1300, d=128, batch_shape=(2, 8), kv_batch_shape=(2, 2),
+                  causal=causal, io_dtype="bfloat16", hardware="H100")
+        f = fs.count("flash2", **kw)
+        L = f.launches[0].launch
+        two_level = {k: v for k, v in kw.items() if k != "hardware"}
+        assert f.levels.sm_l2 == f.traffic == fs.count("flash2", block_sizes=(L.Br, L.Bc),
+                                                       **two_level)
+        b = fs.count_backward("flash2", **kw)
+        assert b.levels.sm_l2.reductions_as_reads_and_writes() == b.traffic
+        # the two-level count writes dQacc once whole (the pre-pass's zeros) and once per
+        # visited tile; the second is the kernel's reduction
+        zeros = 1000 * 128 * 4 * 16
+        assert b.levels.sm_l2.reduces == {"dQacc": b.traffic.writes["dQacc"] - zeros}
+
+
+# -- the launch table against the kernels ----------------------------------------------
+
+def test_launch_orders_match_the_kernels_block_index_arithmetic():
+    """Each kernel's outer tile comes from blockIdx.x as LAUNCH_SPECS says (the
+    deterministic tensor-core backward reverses through its DET template flag)."""
+    text = {src: (K.kernel_dir() / src).read_text() for src in K.SOURCES}
+    for src, names in K.SOURCES.items():
+        body = text[src]
+        for name in names:
+            spec = K.LAUNCH_SPECS[name]
+            if name in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
+                line = re.search(r"const int j = DET \? gridDim\.x - 1 - blockIdx\.x : blockIdx\.x", body)
+                assert line, "the tc backward's j mapping moved"
+                assert spec.order == ("reversed" if name.endswith("_det") else "natural")
+                continue
+            m = re.search(r"__global__ void[^;{]*?\b" + name + r"\(", body)
+            assert m, name
+            after = body[m.end():m.end() + 4000]
+            var = "j" if spec.over == "kv" else "i"
+            rev = re.search(rf"const int {var} = gridDim\.x - 1 - blockIdx\.x", after)
+            nat = re.search(rf"const int {var}0? = blockIdx\.x", after)
+            assert (rev is not None) == (spec.order == "reversed"), name
+            assert rev or nat, name
+
+
+def test_grids_threads_and_occupancy():
+    shape = make_shape(Nq=4096, Nk=2048, d=128, batch_shape=(2, 4))
+    (f,) = h.launches(shape, "float16", H100)
+    assert f.kernel == "flash2_fwd_wg" and f.grid == (32, 8) and f.threads == 256
+    assert f.ctas_per_sm == 1 and f.slots == 132
+    pre, main, post = h.launches(shape, "float16", H100, backward=True)
+    assert (pre.kernel, main.kernel, post.kernel) == (
+        "flash2_bwd_preprocess_tc", "flash2_bwd_tc", "flash2_bwd_postprocess")
+    assert pre.grid == (4096 // K.TC_PRE_BR, 8) and main.grid == (2048 // 128, 8)
+    assert post.grid == (4096 // 64, 8) and main.reduces == ("dQacc",)
+    (a,) = h.launches(make_shape(Nq=512, Nk=512, d=64), "bfloat16", "A100")
+    assert a.kernel == "flash2_fwd_tc" and (a.Br, a.Bc) == K.TC_BLOCKS_AMPERE[64]
+    (r,) = h.launches(make_shape(Nq=512, Nk=512, d=80), "float16", H100)
+    assert r.kernel == "flash2_fwd" and (r.Br, r.Bc) == K.default_block_sizes(
+        80, 80, "float16", H100.smem_per_block)
+    with pytest.raises(ValueError, match="forward only"):
+        h.launches(shape, "float16", H100, backward=True, launch="wg")
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        h.launches(shape, "float16", "A100", launch="wg")
+
+
+def test_occupancy_rules():
+    # 255 registers × 128 threads: 2 CTAs by registers; 80 KiB of shared memory: 2 by smem
+    assert K.ctas_per_sm(threads=128, registers=255, smem=80 * 1024) == 2
+    assert K.ctas_per_sm(threads=256, registers=189, smem=160 * 1024) == 1
+    assert K.ctas_per_sm(threads=128, registers=32, smem=0) == 16
+    assert K.ctas_per_sm(threads=128, registers=32, smem=0, max_blocks_per_sm=32) == 16
+    assert K.ctas_per_sm(threads=128, registers=255, smem=300 * 1024) == 0
+
+
+# -- hardware as data -------------------------------------------------------------------
+
+def test_presets_carry_what_a_launch_model_needs():
+    for g in fs.hardware.PRESETS.values():
+        assert g.num_sms > 0 and g.l2_bytes > 0 and g.l2_bytes_per_s > g.hbm_bytes_per_s
+        assert g.dram_sustained_bytes_per_s <= g.hbm_bytes_per_s
+        assert g.l2_line_bytes == 128 and g.l2_sector_bytes == 32
+        assert all(0 < c <= g.l2_bytes for c in g.l2_capacities)
+    assert fs.hardware.H200.l2_bytes == 60 * 2**20 and fs.hardware.H100.l2_bytes == 50 * 2**20
+    assert fs.hardware.get("h100") is fs.hardware.H100
+    with pytest.raises(ValueError, match="unknown hardware"):
+        fs.hardware.get("V100")
+    with pytest.raises(TypeError, match="preset name"):
+        fs.hardware.get(3)
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(num_sms=0), ValueError), (dict(l2_bytes=-1), ValueError),
+    (dict(num_sms=1.5), TypeError), (dict(peak_flops="fast"), TypeError),
+    (dict(smem_per_block=10**9), ValueError), (dict(l2_retention=(5, 1)), ValueError),
+    (dict(l2_retention=(1, 2**40)), ValueError), (dict(l2_sector_bytes=48), ValueError),
+])
+def test_a_gpu_is_checked_when_built(change, error):
+    with pytest.raises(error):
+        dataclasses.replace(H100, **change)
+
+
+def test_a_user_gpu():
+    mine = GPU(name="mine", compute_capability=90, peak_flops=1e15, hbm_bytes_per_s=3e12,
+               dram_sustained_bytes_per_s=2.5e12, l2_bytes_per_s=6e12, smem_per_sm=228 * 1024,
+               l1_smem_per_sm=256 * 1024, smem_per_block=227 * 1024, num_sms=100,
+               l2_bytes=32 * 2**20, source="made up")
+    p = fs.count("flash2", Nq=4096, Nk=4096, d=64, hardware=mine)
+    assert p.launches[0].launch.slots == 200 and p.time_s > 0
+
+
+# -- the API ------------------------------------------------------------------------------
+
+def test_hardware_in_simulate_and_backward_equals_count():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, 200, 64)).astype(np.float16) for _ in range(3))
+    r = fs.simulate(q, k, v, "flash2", causal=True, hardware="H100")
+    c = fs.count("flash2", Nq=200, Nk=200, d=64, batch_shape=(2, 4), causal=True,
+                 hardware="H100")
+    assert r.block_sizes == fs.kernels.WG_BLOCKS[64]
+    assert r.prediction.levels == c.levels and r.traffic == c.traffic
+    assert r.prediction.time_s == c.time_s
+    do = rng.standard_normal(q.shape).astype(np.float16)
+    g = fs.simulate_backward(q, k, v, r.out, r.lse, do, "flash2", causal=True,
+                             hardware="H100", deterministic=True)
+    cb = fs.count_backward("flash2", Nq=200, Nk=200, d=64, batch_shape=(2, 4), causal=True,
+                           hardware="H100", deterministic=True)
+    assert g.prediction.levels == cb.levels and g.traffic == cb.traffic
+    assert [lp.launch.kernel for lp in cb.launches][1] == "flash2_bwd_tc_det"
+    # without hardware, nothing changes
+    assert fs.simulate(q, k, v, "flash2", block_sizes=(128, 64), causal=True).prediction is None
+
+
+def test_hardware_argument_errors():
+    with pytest.raises(ValueError, match="run flash2"):
+        fs.count("flash1", Nq=64, Nk=64, d=64, hardware="H100")
+    with pytest.raises(ValueError, match="drop sram_bytes"):
+        fs.count("flash2", Nq=64, Nk=64, d=64, sram_bytes="192KiB", hardware="H100")
+    with pytest.raises(ValueError, match="launch must be"):
+        fs.count("flash2", Nq=64, Nk=64, d=64, hardware="H100", launch="fast")
+    with pytest.raises(ValueError, match="no kernel"):
+        fs.count("flash2", Nq=64, Nk=64, d=64, hardware="H100", io_dtype="float8")
+    with pytest.raises(ValueError, match="shared memory"):
+        fs.count("flash2", Nq=64, Nk=64, d=64, hardware="H100", launch="ref",
+                 block_sizes=(512, 512))
+
+
+def test_levels_compare_add_and_print():
+    p = fs.count_backward("flash2", Nq=300, Nk=300, d=64, hardware="H100")
+    lv = p.levels
+    assert lv == p.levels and set(lv) == {"SM-L2", "L2-DRAM", "compulsory"}
+    assert (lv + lv)["SM-L2"] == lv.sm_l2 * 2
+    text = p.table()
+    assert "SM↔L2 reduce" in text and "L2↔DRAM read" in text and "flash2_bwd_tc" in text
+    with pytest.raises(KeyError, match="levels are"):
+        lv["HBM"]
+
+
+def test_the_prediction_is_fast_at_quarter_million_tokens():
+    import time
+    t0 = time.perf_counter()
+    p = fs.count("flash2", Nq=262144, Nk=262144, d=128, causal=True, hardware="H100")
+    assert time.perf_counter() - t0 < 10      # under 2 s on a 2-core CI machine; slack for load
+    assert p.levels.dram.read_bytes > 5 * p.levels.compulsory.read_bytes
+
+
+def test_time_is_the_largest_of_its_terms():
+    p = fs.count("flash2", Nq=16384, Nk=16384, d=128, batch_shape=(1, 8), hardware="H100")
+    (lp,) = p.launches
+    assert lp.time_s == max(lp.time_parts.values()) == lp.time_parts["compute"]
+    eta = h.EFFICIENCY[("flash2_fwd_wg", 128)]
+    F = 2 * 128 * 128 * 256
+    assert lp.time_parts["compute"] == pytest.approx(
+        lp.makespan * F / (eta * H100.peak_flops / lp.launch.slots))
