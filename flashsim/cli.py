@@ -33,6 +33,8 @@ from .simulate import simulate
 from .splitkv import theory_splitkv
 from .tiling import Tiles, band_for, cdiv, parse_size, resolve_block_sizes, sram_footprint
 from .traffic import format_table
+from .hardware import PRESETS, get as get_hardware
+from .hierarchy import RUNGS
 
 PROG = "flashsim"
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -137,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count bytes only (fs.count): no arrays, fast at any N")
     s.add_argument("--seed", type=int, default=0, help="random seed for q, k, v (default: 0)")
     s.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    hw = s.add_argument_group(
+        "three levels (SM↔L2, L2↔DRAM, compulsory) for the project's GPU kernels")
+    hw.add_argument("--hardware", metavar="GPU", default=None,
+                    help=f"a GPU preset ({', '.join(PRESETS)}): model the kernel's launch on it "
+                         "with an L2 between SRAM and DRAM and print the traffic at each level "
+                         "and the predicted time (flash2; counts only, no math)")
+    hw.add_argument("--launch", choices=RUNGS, default="auto",
+                    help="which kernel to model: auto (as fs.gpu.attention picks), wg, tc or "
+                         "ref (default: auto)")
+    hw.add_argument("--backward", action="store_true",
+                    help="model the backward's launches (pre-pass, main kernel, post-pass)")
+    hw.add_argument("--deterministic", action="store_true",
+                    help="with --backward: the deterministic main kernel")
 
     w = sub.add_parser(
         "sweep", help="HBM traffic against SRAM size, forward or backward",
@@ -236,6 +251,10 @@ def run_default() -> int:
 # -- flashsim simulate ------------------------------------------------------------------
 
 def run_simulate(args) -> int:
+    if args.hardware is not None:
+        return run_hardware(args)
+    if args.backward or args.deterministic or args.launch != "auto":
+        raise CLIError("--backward, --deterministic and --launch go with --hardware")
     alg = args.algorithm
     Nq = args.seq
     Nk = args.seq if args.seq_k is None else args.seq_k
@@ -585,6 +604,71 @@ def run_kernels_build(args) -> int:
 
 
 # -- entry point ------------------------------------------------------------------------
+
+def run_hardware(args) -> int:
+    """`flashsim simulate --hardware H100`: the three-level prediction of a kernel launch."""
+    if args.algorithm != "flash2":
+        raise CLIError(f"--hardware models the project's kernels, which run flash2; got "
+                       f"--algorithm {args.algorithm}")
+    if args.sram is not None:
+        raise CLIError("--hardware uses the kernel's tiles: drop --sram (--block-sizes sets "
+                       "the reference kernel's)")
+    if args.deterministic and not args.backward:
+        raise CLIError("--deterministic applies to --backward")
+    Nq = args.seq
+    Nk = args.seq if args.seq_k is None else args.seq_k
+    B, H = args.batch, args.heads
+    Hk = H if args.kv_heads is None else args.kv_heads
+    if Hk < 1 or H % Hk:
+        raise CLIError(f"--kv-heads {Hk} must divide --heads {H}")
+    kw = dict(Nq=Nq, Nk=Nk, d=args.head_dim, dv=args.head_dim_v, batch_shape=(B, H),
+              kv_batch_shape=(B, Hk), causal=args.causal, io_dtype=args.dtype,
+              block_sizes=tuple(args.block_sizes) if args.block_sizes else None,
+              hardware=args.hardware, launch=args.launch)
+    if args.backward:
+        pred = count_backward("flash2", deterministic=args.deterministic, **kw)
+    else:
+        pred = count("flash2", **kw)
+    hw = get_hardware(args.hardware)
+    if args.json:
+        print(json.dumps({
+            "hardware": hw.name, "backward": args.backward,
+            "problem": {"Nq": Nq, "Nk": Nk, "d": args.head_dim, "batch": B, "heads": H,
+                        "kv_heads": Hk, "causal": bool(args.causal), "dtype": args.dtype},
+            "launches": [{"kernel": lp.launch.kernel, "grid": list(lp.launch.grid),
+                          "threads": lp.launch.threads, "ctas_per_sm": lp.launch.ctas_per_sm,
+                          "waves": lp.launch.waves, "block_sizes": [lp.launch.Br, lp.launch.Bc],
+                          "levels": lp.levels.to_dict(), "writeback": lp.writeback.to_dict(),
+                          "time_s": lp.time_s, "time_parts": lp.time_parts,
+                          "superblock": lp.superblock} for lp in pred.launches],
+            "levels": pred.levels.to_dict(), "time_s": pred.time_s,
+            "two_level": pred.traffic.to_dict()}, indent=2))
+        return 0
+    seqs = f"Nq = Nk = {Nq}" if Nq == Nk else f"Nq = {Nq}, Nk = {Nk}"
+    heads = f"heads {H}" + (f" (K/V heads {Hk})" if Hk != H else "")
+    print(f"flashsim simulate --hardware: flash2 {'backward' if args.backward else 'forward'} "
+          f"on {hw.name}")
+    print(f"problem: {seqs}, d = {args.head_dim}, batch {B}, {heads}, {args.dtype}, "
+          f"{_causal_word(args.causal)}")
+    print(f"L2: {human_bytes(hw.l2_bytes)}"
+          + (f", keeping {human_bytes(hw.l2_retention[0])} to {human_bytes(hw.l2_retention[1])} "
+             "of a streamed buffer (an average of LRU capacities)" if hw.l2_retention else
+             " (one LRU)"))
+    print()
+    print(pred.table())
+    print()
+    lv = pred.levels
+    comp = lv.compulsory.total_bytes
+    dram, after = lv.dram.total_bytes, pred.writeback.total_bytes
+    print(f"DRAM: {human_bytes(dram)} during the launch{'es' if len(pred.launches) > 1 else ''} "
+          f"+ {human_bytes(after)} of writes left in L2 = {(dram + after) / comp:.2f}x the "
+          f"compulsory {human_bytes(comp)}; the two-level count (every SRAM fill from memory) "
+          f"is {human_bytes(pred.traffic.total_bytes)} = {pred.traffic.total_bytes / comp:.2f}x")
+    print(f"predicted time: {pred.time_s * 1e3:.3f} ms "
+          f"({pred.flops / pred.time_s / 1e12:.0f} TFLOP/s of matrix products)"
+          if pred.flops else f"predicted time: {pred.time_s * 1e3:.3f} ms")
+    return 0
+
 
 def main(argv=None) -> int:
     parser = build_parser()

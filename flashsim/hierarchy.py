@@ -569,7 +569,7 @@ def simulate_l2(prog: Program, slots: int, capacity, *,
                      pr, J, a, e, mult))
     time, order, seq, st, prob, ent, a, e, mult = (
         np.concatenate([c[i] for c in cols]).astype(np.int64) for i in range(9))
-    srt = np.lexsort((seq, order, time))
+    srt = np.lexsort((order, seq, time))
     st, prob, ent, a, e, mult = st[srt], prob[srt], ent[srt], a[srt], e[srt], mult[srt]
     # G tiles per entry of the streamed tensor, 1 for the others
     g = np.array([G if (prog.inner is not None and k == len(streams) - 1 and
@@ -699,8 +699,10 @@ class LaunchPrediction:
 
     def summary(self) -> str:
         L = self.launch
-        return (f"{L.kernel}: grid {L.grid[0]}×{L.grid[1]} of {L.threads} threads, tiles "
-                f"{L.Br}×{L.Bc}, {L.ctas_per_sm} CTA/SM, {L.waves:.2f} waves; predicted "
+        tiles = (f"tiles {L.Br}×{L.Bc}" if L.phase in ("forward", "backward-main")
+                 else f"{L.rows} rows per CTA")
+        return (f"{L.kernel}: grid {L.grid[0]}×{L.grid[1]} of {L.threads} threads, {tiles}, "
+                f"{L.ctas_per_sm} CTA/SM, {L.waves:.2f} waves; predicted "
                 f"{self.time_s * 1e3:.3f} ms (compute {self.time_parts['compute'] * 1e3:.3f}, "
                 f"DRAM {self.time_parts['dram'] * 1e3:.3f}, L2 {self.time_parts['l2'] * 1e3:.3f})")
 

@@ -282,3 +282,16 @@ def test_model_vs_hardware_rebuilds_its_tables_from_a_saved_run(tmp_path):
     assert len(rows) == 3 + 3
     assert all(mod.ratio(r["dram_read"], r["pred_dram_read"]) == 1 for r in rows)
     assert "DRAM read" in (tmp_path / "t.md").read_text()
+
+def test_l2_cliff(tmp_path):
+    mod = load("l2_cliff")
+    code = mod.main(["--quick", "--out", str(tmp_path), "--measured", str(tmp_path / "none.json")])
+    rows = list(csv.DictReader(open(tmp_path / "l2_cliff.csv")))
+    assert len(rows) == 2 * len(mod.QUICK_NS)
+    for r in rows:
+        # below the cliff the three-level model reads what it must, far below the two-level count
+        assert int(r["three_level_read"]) == int(r["compulsory_read"]) < int(r["two_level_read"])
+    if has_matplotlib():
+        assert code == 0 and (tmp_path / "l2_cliff.png").read_bytes()[:8] == PNG_MAGIC
+    else:
+        assert code == 2
