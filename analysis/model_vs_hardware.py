@@ -88,7 +88,7 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum",
            "lts__t_sectors_srcunit_tex_op_red.sum", "lts__t_sectors_srcunit_tex_op_atom.sum",
            "gpu__time_duration.sum")
 SECTOR = 32
-PROBE_MB = (8, 16, 24, 32, 40, 48, 56, 64, 80)
+PROBE_MB = (8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80)
 
 
 def is_calib(cfg) -> bool:
@@ -127,11 +127,12 @@ def launch(configs):
 
 PROBE_SRC = r"""
 extern "C" __global__ void probe_read(const int4* __restrict__ x, long long n, int passes,
-                                      long long shift, int* out) {
+                                      long long shift, int bcast, int* out) {
     // every pass reads all n 16-byte words, bypassing L1 (ld.global.cg); passes after the
-    // first start ``shift`` words further on, so a thread reads what another SM loaded
-    long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    long long stride = (long long)gridDim.x * blockDim.x;
+    // first start ``shift`` words further on, so a thread reads what another SM loaded.
+    // bcast: every CTA reads all n words (as every CTA of a head reads all of K and V)
+    long long tid = bcast ? threadIdx.x : blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    long long stride = bcast ? blockDim.x : (long long)gridDim.x * blockDim.x;
     int acc = 0;
     for (int p = 0; p < passes; ++p) {
         long long off = p == 0 ? 0 : shift;
@@ -163,12 +164,15 @@ def probe_launch():
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     tiny = cp.ones(64, cp.int32)
     for _ in range(TINY):
-        fn((sms,), (256,), (tiny, np.int64(16), np.int32(1), np.int64(0), out))
+        fn((sms,), (256,), (tiny, np.int64(16), np.int32(1), np.int64(0), np.int32(0), out))
     for mb in PROBE_MB:
         n = mb * 10**6 // 16
         x = cp.asarray(np.random.default_rng(mb).integers(0, 2**31, size=4 * n, dtype=np.int32))
         for shift in (0, n // 2):
-            fn((sms * 4,), (256,), (x, np.int64(n), np.int32(2), np.int64(shift), out))
+            fn((sms * 4,), (256,), (x, np.int64(n), np.int32(2), np.int64(shift), np.int32(0),
+                                    out))
+        # every SM reads the whole buffer twice, one CTA per SM
+        fn((sms,), (256,), (x, np.int64(n), np.int32(2), np.int64(0), np.int32(1), out))
         cp.cuda.Device().synchronize()
 
 
@@ -187,7 +191,8 @@ def probe_bandwidth():
         for _ in range(6):
             a, b = cp.cuda.Event(), cp.cuda.Event()
             a.record()
-            fn((sms * 8,), (256,), (x, np.int64(n), np.int32(passes), np.int64(0), out))
+            fn((sms * 8,), (256,), (x, np.int64(n), np.int32(passes), np.int64(0), np.int32(0),
+                                    out))
             b.record()
             b.synchronize()
             times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
@@ -366,6 +371,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probe", action="store_true", help="also measure L2 bandwidth and retention")
+    ap.add_argument("--probe-only", action="store_true",
+                    help="measure L2 bandwidth and retention only (writes <name>.json)")
     ap.add_argument("--out", default=os.path.join(ROOT, "analysis", "out"))
     ap.add_argument("--name", default="model_vs_hardware", help="output file stem")
     ap.add_argument("--from-json", default=None, metavar="FILE",
@@ -398,9 +405,10 @@ def main(argv=None):
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     hw = preset_for(gpu)
     l2_dev = int(cp.cuda.Device().attributes["L2CacheSize"])
-    launch([c[:2] + (1024, 2, 2) + c[5:] for c in configs])   # compile outside the profile
+    if not a.probe_only:
+        launch([c[:2] + (1024, 2, 2) + c[5:] for c in configs])   # compile outside the profile
     probe = None
-    if a.probe:
+    if a.probe or a.probe_only:
         probe = probe_bandwidth()
         pm = run_ncu(["--probe-launch"], "probe_read")
         probe["tiny_launch_s"] = float(np.median([m["gpu__time_duration.sum"] * 1e-9
@@ -408,8 +416,14 @@ def main(argv=None):
         pm = pm[TINY:]
         probe["retention"] = [
             {"MB": mb, "shift": sh, "dram_read_over_size": m["dram__bytes_read.sum"] / (mb * 1e6)}
-            for (mb, sh), m in zip([(mb, sh) for mb in PROBE_MB for sh in ("same", "half")], pm)]
+            for (mb, sh), m in zip([(mb, sh) for mb in PROBE_MB
+                                    for sh in ("same", "half", "broadcast")], pm)]
         print(json.dumps(probe, indent=1))
+        if a.probe_only:
+            write_json(out_file(a.out, f"{a.name}.json"),
+                       {"meta": {"gpu": gpu, "date": datetime.date.today().isoformat(),
+                                 "l2_bytes_device": l2_dev}, "probe": probe})
+            return 0
     measured = run_ncu(["--launch"] + (["--quick"] if a.quick else []), "flash2_")
     meta = {"gpu": gpu, "preset": [k for k, v in fs.hardware.PRESETS.items() if v is hw][0],
             "date": datetime.date.today().isoformat(), "l2_bytes_device": l2_dev,

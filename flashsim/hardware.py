@@ -48,7 +48,9 @@ class GPU:
     bytes: what the L2 keeps of a buffer that every SM reads twice in a row — all of it
     up to lo, none from hi, the re-read fraction rising linearly between (fitted to
     `analysis/model_vs_hardware.py --probe`); None where unmeasured (the model then
-    takes one LRU of ``l2_bytes``).
+    takes one LRU of ``l2_bytes``). ``l2_partitions``: the L2 is split into this many
+    partitions, each caching the data that the SMs wired to it use (so data that every SM
+    reads is held once per partition).
     """
     name: str
     compute_capability: int
@@ -69,6 +71,7 @@ class GPU:
     max_blocks_per_sm: int = 32
     smem_reserved_per_block: int = 1024
     l2_retention: tuple | None = None
+    l2_partitions: int = 1
 
     def __post_init__(self):
         for f in fields(self):
@@ -147,13 +150,15 @@ A100 = GPU(
     smem_per_block=163 * KiB,
     num_sms=108,
     l2_bytes=40 * MiB,
+    l2_partitions=2,
     source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: 312 TFLOPS FP16/BF16 "
             "tensor core dense (624 with sparsity), 2,039 GB/s HBM2e (the 40GB part has "
             "1,555 GB/s, ridge 200.6 FLOP/B); NVIDIA A100 Tensor Core GPU Architecture "
             "whitepaper and CUDA C++ Programming Guide (compute capability 8.0): 108 SMs, "
             "192 KB combined L1/shared memory per SM of which up to 164 KB shared, 163 KB "
             "per thread block, 64K registers and 2048 threads per SM, 40 MB L2 of 128-byte "
-            "lines in 32-byte sectors, L2 reads 5120 bytes/clock at the 1410 MHz boost "
+            "lines in 32-byte sectors in two partitions, each caching data for the SMs of "
+            "the GPCs wired to it, L2 reads 5120 bytes/clock at the 1410 MHz boost "
             "clock; sustained DRAM taken as 90% of peak (not measured here)"),
 )
 
@@ -170,12 +175,13 @@ H100 = GPU(
     num_sms=132,
     l2_bytes=50 * MiB,
     l2_retention=(31_500_000, 48_000_000),
+    l2_partitions=2,
     source=("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 1,979 TFLOPS FP16/BF16 tensor "
             "core with sparsity = 989.4 dense, 3.35 TB/s HBM3; NVIDIA H100 Tensor Core GPU "
             "Architecture whitepaper and CUDA C++ Programming Guide (compute capability "
             "9.0): 132 SMs, 256 KB combined L1/shared memory per SM of which up to 228 KB "
             "shared, 227 KB per thread block, 64K registers and 2048 threads per SM, 50 MB "
-            "L2 of 128-byte lines in 32-byte sectors; measured on an H100 80GB HBM3 here: "
+            "L2 of 128-byte lines in 32-byte sectors in two partitions (as the A100's); measured on an H100 80GB HBM3 here: "
             "a device-to-device copy moves 3.0 TB/s (read plus written), L2 read hits "
             "at 7.0 TB/s"),
 )
@@ -193,6 +199,7 @@ H200 = GPU(
     num_sms=132,
     l2_bytes=60 * MiB,
     l2_retention=(38_500_000, 52_750_000),
+    l2_partitions=2,
     source=("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS FP16/BF16 tensor "
             "core with sparsity = 989.4 dense, 4.8 TB/s HBM3e, 141 GB; the GH100 SM "
             "configuration of H100 SXM (compute capability 9.0): 132 SMs, 256 KB combined "

@@ -363,11 +363,11 @@ class Access:
 @dataclass
 class Program:
     """Every CTA's tile moves, CTAs in launch order: ``prologue`` accesses at its first
-    step, ``n`` inner steps over tiles lo, lo + 1, …, lo + n − 1 of ``inner`` (problem
-    ``inner_problem``), ``epilogue`` accesses at its last step. A CTA with no inner step
-    takes one time unit."""
+    step, ``n`` inner steps over tiles lo, lo + 1, …, lo + n − 1 of each stream in
+    ``inner`` (problem ``inner_problem``), ``epilogue`` accesses at its last step. A CTA
+    with no inner step takes one time unit."""
     prologue: list
-    inner: Stream | None
+    inner: tuple          # the streams every inner step moves (same tile index)
     inner_problem: np.ndarray
     lo: np.ndarray
     n: np.ndarray
@@ -408,23 +408,25 @@ def program(launch: Launch, shape: Shape, io_dtype, band) -> Program:
         Q = Stream("Q", (("Q", READ, d * b),), R, Nq)
         KV = Stream("KV", (("K", READ, d * b), ("V", READ, dv * b)), launch.Bc, Nk)
         OL = Stream("OL", (("O", WRITE, dv * b), ("L", WRITE, s)), R, Nq)
-        return Program([Access(Q, p, t, n > 0)], KV, kv, lo, n, [Access(OL, p, t, on)])
+        return Program([Access(Q, p, t, n > 0)], (KV,), kv, lo, n, [Access(OL, p, t, on)])
     if launch.phase == "backward-main":
         ilo, ihi = tiles.q_ranges()
         lo, n = ilo[t], np.maximum(ihi[t] - ilo[t] + 1, 0)
         KV = Stream("KV", (("K", READ, d * b), ("V", READ, dv * b)), R, Nk)
         step = Stream("QdOLD", (("Q", READ, d * b), ("dO", READ, dv * b), ("L", READ, s),
-                                ("D", READ, s), ("dQacc", REDUCE, d * s)), launch.Br, Nq)
+                                ("D", READ, s)), launch.Br, Nq)
+        acc = Stream("dQacc", (("dQacc", REDUCE, d * s),), launch.Br, Nq)
         dKV = Stream("dKdV", (("dK", WRITE, d * b), ("dV", WRITE, dv * b)), R, Nk)
-        return Program([Access(KV, kv, t, n > 0)], step, p, lo, n, [Access(dKV, p, t, on)])
+        return Program([Access(KV, kv, t, n > 0)], (step, acc), p, lo, n,
+                       [Access(dKV, p, t, on)])
     if launch.phase == "backward-pre":
         OdO = Stream("OdO", (("O", READ, dv * b), ("dO", READ, dv * b)), R, Nq)
         DQ = Stream("DdQacc", (("D", WRITE, s), ("dQacc", WRITE, d * s)), R, Nq)
-        return Program([Access(OdO, p, t, on)], None, p, zero, zero, [Access(DQ, p, t, on)])
+        return Program([Access(OdO, p, t, on)], (), p, zero, zero, [Access(DQ, p, t, on)])
     if launch.phase == "backward-post":
         acc = Stream("dQacc", (("dQacc", READ, d * s),), R, Nq)
         dQ = Stream("dQ", (("dQ", WRITE, d * b),), R, Nq)
-        return Program([Access(acc, p, t, on)], None, p, zero, zero, [Access(dQ, p, t, on)])
+        return Program([Access(acc, p, t, on)], (), p, zero, zero, [Access(dQ, p, t, on)])
     raise ValueError(f"no program for phase {launch.phase!r}")
 
 
@@ -439,8 +441,8 @@ def sm_l2_traffic(prog: Program) -> Traffic:
     rows: dict[Stream, int] = {}
     for a in prog.prologue + prog.epilogue:
         rows[a.stream] = rows.get(a.stream, 0) + int(np.where(a.active, a.stream.rows(a.tile), 0).sum())
-    if prog.inner is not None:
-        rows[prog.inner] = rows.get(prog.inner, 0) + int(_span(prog.inner, prog.lo, prog.n).sum())
+    for stream in prog.inner:
+        rows[stream] = rows.get(stream, 0) + int(_span(stream, prog.lo, prog.n).sum())
     return _to_traffic(rows, (READ,), (WRITE,), (REDUCE,))
 
 
@@ -460,24 +462,27 @@ def _to_traffic(rows: dict, read_kinds, write_kinds, reduce_kinds=(), streams=No
 
 # -- dispatch ---------------------------------------------------------------------------
 
-def dispatch(lengths: np.ndarray, slots: int) -> np.ndarray:
-    """Start time of each CTA (launch order) when each takes the first free slot and runs
-    for ``lengths`` time units."""
+def dispatch(lengths: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Start time and slot of each CTA (launch order) when each takes the first free slot
+    (the lowest-numbered among those free at once) and runs for ``lengths`` time units.
+    Slot k is on SM k mod (number of SMs): the first wave puts one CTA on every SM before
+    a second on any."""
     lengths = np.asarray(lengths, np.int64)
     n = len(lengths)
+    idx = np.arange(n, dtype=np.int64)
     if n <= slots:
-        return np.zeros(n, np.int64)
+        return np.zeros(n, np.int64), idx
     if (lengths == lengths[0]).all():
-        return (np.arange(n, dtype=np.int64) // slots) * lengths[0]
-    start = np.zeros(n, np.int64)
+        return (idx // slots) * lengths[0], idx % slots
+    start, slot = np.zeros(n, np.int64), np.zeros(n, np.int64)
     free = [(0, k) for k in range(slots)]
     heapq.heapify(free)
     push, pop = heapq.heappush, heapq.heappop
     for c, L in enumerate(lengths.tolist()):
         t, k = pop(free)
-        start[c] = t
+        start[c], slot[c] = t, k
         push(free, (t + L, k))
-    return start
+    return start, slot
 
 
 # -- the L2 -------------------------------------------------------------------------------
@@ -543,15 +548,18 @@ def _inner_events(prog: Program, start, max_events):
             e - J * G, mult), G
 
 
-def simulate_l2(prog: Program, slots: int, capacity, *,
-                max_events: int = MAX_EVENTS) -> L2Result:
-    """Run the CTAs' accesses through an LRU, write-back L2 of ``capacity`` bytes, or the
-    average of LRUs of each capacity in a sequence (see the module's docstring)."""
-    start = dispatch(prog.length, slots)
+def simulate_l2(prog: Program, slots: int, capacity, *, sms: int | None = None,
+                partitions: int = 1, max_events: int = MAX_EVENTS) -> L2Result:
+    """Run the CTAs' accesses through an LRU, write-back L2 of ``capacity`` bytes (or the
+    average over a sequence of capacities) split into ``partitions`` (see the module's
+    docstring); ``sms``: SMs the slots are spread over (default: one slot per SM)."""
+    start, slot = dispatch(prog.length, slots)
+    sm = slot % (sms or slots)
+    part = sm % partitions                      # the partition each CTA's SM is wired to
     L = prog.length
     makespan = int((start + L).max()) if len(start) else 0
     streams: list[Stream] = []
-    cols = []          # time, order, seq, stream, problem, entry, first, last offset, mult
+    cols = []     # time, order, seq, stream, problem, entry, first, last offset, mult, part
     for order, accesses, when in ((0, prog.prologue, start), (2, prog.epilogue, start + L - 1)):
         for acc in accesses:
             m = acc.active
@@ -560,20 +568,22 @@ def simulate_l2(prog: Program, slots: int, capacity, *,
             z = np.zeros(k, np.int64)
             cols.append((when[m], np.full(k, order), np.nonzero(m)[0],
                          np.full(k, len(streams) - 1), acc.problem[m], acc.tile[m], z, z,
-                         np.ones(k, np.int64)))
+                         np.ones(k, np.int64), part[m]))
     G = 1
-    if prog.inner is not None and (prog.n > 0).any():
-        streams.append(prog.inner)
+    inner_ids = []
+    if prog.inner and (prog.n > 0).any():
         (t, seq, pr, J, a, e, mult), G = _inner_events(prog, start, max_events)
-        cols.append((t, np.ones(len(t), np.int64), seq, np.full(len(t), len(streams) - 1),
-                     pr, J, a, e, mult))
-    time, order, seq, st, prob, ent, a, e, mult = (
-        np.concatenate([c[i] for c in cols]).astype(np.int64) for i in range(9))
-    srt = np.lexsort((order, seq, time))
-    st, prob, ent, a, e, mult = st[srt], prob[srt], ent[srt], a[srt], e[srt], mult[srt]
-    # G tiles per entry of the streamed tensor, 1 for the others
-    g = np.array([G if (prog.inner is not None and k == len(streams) - 1 and
-                        streams[k] is prog.inner) else 1 for k in range(len(streams))])
+        for stream in prog.inner:
+            streams.append(stream)
+            inner_ids.append(len(streams) - 1)
+            cols.append((t, np.ones(len(t), np.int64), seq, np.full(len(t), len(streams) - 1),
+                         pr, J, a, e, mult, part[seq]))
+    time, order, seq, st, prob, ent, a, e, mult, part = (
+        np.concatenate([c[i] for c in cols]).astype(np.int64) for i in range(10))
+    srt = np.lexsort((st, order, seq, time))
+    st, prob, ent, a, e, mult, part = (x[srt] for x in (st, prob, ent, a, e, mult, part))
+    # G tiles per entry of the streamed tensors, 1 for the others
+    g = np.array([G if k in inner_ids else 1 for k in range(len(streams))])
     B = np.array([x.B for x in streams])
     last = np.array([-(-x.N // x.B) - 1 for x in streams])      # each tensor's last tile
     deficit = np.array([x.B * (lt + 1) - x.N for x, lt in zip(streams, last)])
@@ -587,8 +597,8 @@ def simulate_l2(prog: Program, slots: int, capacity, *,
     row_bytes = [x.row_bytes for x in streams]
     dirty = [x.bytes_of((WRITE, REDUCE)) > 0 for x in streams]
     caps = (capacity,) if isinstance(capacity, (int, np.integer)) else tuple(capacity)
-    runs = [_lru(keys, st, a, e, rows, edge, mult, len(streams), B.tolist(), deficit.tolist(),
-                 row_bytes, dirty, int(c)) for c in caps]
+    runs = [_lru(keys, st, a, e, rows, edge, mult, part, len(streams), B.tolist(),
+                 deficit.tolist(), row_bytes, dirty, int(c), partitions) for c in caps]
     # the average over the capacities (one LRU: its counts as they are)
     fetched, written, left = ([round(sum(r[i][k] for r in runs) / len(runs))
                                for k in range(len(streams))] for i in range(3))
@@ -612,43 +622,78 @@ def simulate_l2(prog: Program, slots: int, capacity, *,
         makespan=makespan, superblock=G, events=len(keys))
 
 
-def _lru(keys, st, a, e, rows, edge, mult, nstreams, Bs, defs, row_bytes, dirty, capacity):
-    """One pass of the accesses through an LRU of ``capacity`` bytes: rows fetched from
-    DRAM, rows written back during the launch and rows left dirty, per stream."""
+def _lru(keys, st, a, e, rows, edge, mult, part, nstreams, Bs, defs, row_bytes, dirty,
+         capacity, partitions=1):
+    """One pass of the accesses through ``partitions`` LRUs of ``capacity / partitions``
+    bytes each: rows fetched from DRAM, rows written back during the launch and rows left
+    dirty, per stream.
+
+    A read looks in the partition of the reading SM; where that misses and another
+    partition holds the bytes, they come from there (no DRAM read), else from DRAM; either
+    way the near partition keeps a copy. ``mult`` CTAs reading at once sit on up to
+    ``partitions`` different partitions, each of which keeps a copy. Writes and reductions
+    go to the partition that owns the address (the entry's key modulo ``partitions``),
+    where the single up-to-date copy lives."""
+    P = partitions
+    share = capacity // P
     fetched = [0] * nstreams      # rows read from DRAM, per stream
     written = [0] * nstreams      # rows written back during the launch
-    cache: OrderedDict = OrderedDict()    # key -> [stream, loaded-tile mask, rows]
-    used = 0
-    for key, k, lo_, hi_, r, eb, m in zip(keys.tolist(), st.tolist(), a.tolist(), e.tolist(),
-                                           rows.tolist(), edge.tolist(), mult.tolist()):
-        mask = ((1 << (hi_ + 1)) - 1) ^ ((1 << lo_) - 1)
+    caches = [OrderedDict() for _ in range(P)]     # key -> [stream, loaded-tile mask, rows]
+    used = [0] * P
+
+    def tile_rows(k, mask, eb):
+        return mask.bit_count() * Bs[k] - (defs[k] if eb >= 0 and mask >> eb & 1 else 0)
+
+    def insert(q, key, k, mask, got):
+        """Add ``got`` rows (tiles ``mask``) of ``key`` to partition q; evict to fit."""
+        cache = caches[q]
         entry = cache.get(key)
-        if entry is not None:
+        if entry is None:
+            cache[key] = [k, mask, got]
+        else:
             cache.move_to_end(key)
-            miss = mask & ~entry[1]
-            if not miss:
-                continue
-            got = miss.bit_count() * Bs[k] - (defs[k] if eb >= 0 and miss >> eb & 1 else 0)
             entry[1] |= mask
             entry[2] += got
-        else:
-            got = r
-            entry = cache[key] = [k, mask, r]
-        fetched[k] += got
-        used += got * row_bytes[k]
-        while used > capacity:
+        used[q] += got * row_bytes[k]
+        while used[q] > share:
             _, (k2, _, r2) = cache.popitem(last=False)
-            used -= r2 * row_bytes[k2]
+            used[q] -= r2 * row_bytes[k2]
             if dirty[k2]:
                 written[k2] += r2
-        if m > 1 and key not in cache:           # too large to stay: every repeat misses
-            fetched[k] += r * (m - 1)
-            if dirty[k]:
-                written[k] += r * (m - 1)
-    left = [0] * nstreams
-    for k, _, r in cache.values():
+
+    for key, k, lo_, hi_, r, eb, m, q0 in zip(keys.tolist(), st.tolist(), a.tolist(),
+                                               e.tolist(), rows.tolist(), edge.tolist(),
+                                               mult.tolist(), part.tolist()):
+        mask = ((1 << (hi_ + 1)) - 1) ^ ((1 << lo_) - 1)
         if dirty[k]:
-            left[k] += r
+            where = (key % P,)
+        else:
+            where = tuple((q0 + i) % P for i in range(min(m, P)))
+        for q in where:
+            entry = caches[q].get(key)
+            have = entry[1] if entry is not None else 0
+            miss = mask & ~have
+            if not miss:
+                caches[q].move_to_end(key)
+                continue
+            far = 0
+            if not dirty[k] and P > 1:
+                for q2 in range(P):
+                    if q2 != q and key in caches[q2]:
+                        far |= caches[q2][key][1]
+            got = tile_rows(k, miss, eb)
+            fetched[k] += got - tile_rows(k, miss & far, eb)
+            insert(q, key, k, miss, got)
+        if m > len(where) and key not in caches[where[-1]]:
+            # too large to stay: every further access misses too
+            fetched[k] += r * (m - len(where))
+            if dirty[k]:
+                written[k] += r * (m - len(where))
+    left = [0] * nstreams
+    for cache in caches:
+        for k, _, r in cache.values():
+            if dirty[k]:
+                left[k] += r
     return fetched, written, left
 
 
@@ -755,7 +800,8 @@ def predict(shape: Shape, io_dtype, band, hardware, *, backward: bool = False,
                       block_sizes=block_sizes, deterministic=deterministic):
         prog = program(L, shape, io_dtype, band)
         sm = sm_l2_traffic(prog)
-        l2 = simulate_l2(prog, L.slots, hw.l2_capacities, max_events=max_events)
+        l2 = simulate_l2(prog, L.slots, hw.l2_capacities, sms=hw.num_sms,
+                         partitions=hw.l2_partitions, max_events=max_events)
         F = step_flops(L, shape)
         flops = F * int(prog.n.sum())
         eta = efficiency(L.kernel, shape.d)

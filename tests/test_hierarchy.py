@@ -106,9 +106,11 @@ def test_one_heads_kv_past_l2_is_read_once_per_wave():
 
 
 def test_dispatch_takes_the_first_free_slot():
-    assert h.dispatch(np.array([3, 1, 2, 2]), 2).tolist() == [0, 0, 1, 3]
-    assert h.dispatch(np.array([5, 5, 5, 5, 5]), 2).tolist() == [0, 0, 5, 5, 10]
-    assert h.dispatch(np.array([4, 1]), 8).tolist() == [0, 0]
+    start, slot = h.dispatch(np.array([3, 1, 2, 2]), 2)
+    assert start.tolist() == [0, 0, 1, 3] and slot.tolist() == [0, 1, 1, 1]
+    start, slot = h.dispatch(np.array([5, 5, 5, 5, 5]), 2)
+    assert start.tolist() == [0, 0, 5, 5, 10] and slot.tolist() == [0, 1, 0, 1, 0]
+    assert h.dispatch(np.array([4, 1]), 8)[0].tolist() == [0, 0]
 
 
 def test_causal_heavy_tiles_start_first():
@@ -155,7 +157,8 @@ def program_trace(prog, launch, stream_rows=None):
             if a.active[c]:
                 out += moves(a.stream, int(a.tile[c]))
         for s in range(int(prog.n[c])):
-            out += moves(prog.inner, int(prog.lo[c]) + s)
+            for stream in prog.inner:
+                out += moves(stream, int(prog.lo[c]) + s)
         for a in prog.epilogue:
             if a.active[c]:
                 out += moves(a.stream, int(a.tile[c]))
