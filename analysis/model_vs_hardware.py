@@ -327,6 +327,47 @@ MAIN = ("flash2_fwd", "flash2_fwd_tc", "flash2_fwd_wg", "flash2_bwd_main", "flas
         "flash2_bwd_tc_det")
 
 
+def misses(r) -> list[str]:
+    """The quantities of one row outside the issue's targets: DRAM bytes within 10% (where
+    at least 1 MB is predicted), L2 reads within 5%, time within 15%."""
+    out = []
+    for label, km, kp, tol, floor in (("DRAM read", "dram_read", "pred_dram_read", 0.10, 1e6),
+                                      ("DRAM write", "dram_write", "pred_dram_write", 0.10, 1e6),
+                                      ("L2 read", "l2_read", "pred_l2_read", 0.05, 0),
+                                      ("time", "time_s", "pred_time_s", 0.15, 0)):
+        if max(r[kp], r[km]) > floor and abs(ratio(r[km], r[kp]) - 1) > tol:
+            out.append(label)
+    return out
+
+
+WHY = """## Why rows miss
+
+- **DRAM writes** (mean error above): L2 writes back some dirty lines earlier than an
+  LRU would, a few MB per launch (the forward's O, the pre-pass's D and dQacc); where
+  tens of MB are written the model is within a few percent, where a few MB are it can be
+  off by half.
+- **L2 reads**: `lts__t_sectors_srcunit_tex_op_read` counts what reaches the L2 slices.
+  When many CTAs read the same tile at the same moment (no mask, several CTAs per head in
+  step) part of those requests are merged before the slices, so the count is 0.3–0.9× the
+  SMs' requests; the reference kernel's plain loads also hit in L1. The model counts
+  every SM request (the two-level count, exact as the instrumented kernels show).
+- **L2 writes**: the fast kernels store O, dK, dV from MMA fragments in 16-byte pieces, so
+  each 32-byte sector is written by two requests and counted twice (m/p = 2.0 for wg,
+  1.5 for tc); the deterministic backward also writes its turn counters.
+- **wg at d = 64, N = 262144 (DRAM read 1.89×)**: two CTAs share each SM there, and they
+  drift apart by about half a K/V sweep, so every K/V tile is read twice per wave; the
+  lockstep dispatch keeps them together. The tc kernel at d = 64 with two CTAs per SM
+  stays in step (1.02×).
+- **Deterministic backward under a causal mask (0.2×)**: CTAs wait for their turn to add
+  into dQ, which holds neighbouring K/V tiles together and lets the L2 serve the Q-side
+  tiles many times; the model has no waits, and its LRU re-reads them.
+- **Near the L2 cliff** (one head's K + V between 25 and 34 MB): the re-read fraction
+  turns on within a few MB, so small differences in what L2 keeps move the count by 10–30%.
+- **Time of the pre- and post-passes** (10–50 µs kernels): their duration is set by
+  latency and ramp-up rather than bandwidth; the model's memory terms are 1.3–10× short.
+"""
+
+
 def render(rows, meta) -> str:
     MB = 1e6
     s = summarize(rows)
@@ -334,17 +375,21 @@ def render(rows, meta) -> str:
           f"`{meta['ncu']}` (L2 flushed before each launch), float16, batch 1, one row per "
           f"kernel launch. Prediction: `fs.count(..., hardware=fs.hardware.{meta['preset']}, "
           "launch=<rung>)` / `fs.count_backward(...)`, the three-level model of "
-          "`flashsim.hierarchy` with the hardware preset alone (no fitted traffic "
-          "parameter). DRAM = `dram__bytes_{read,write}.sum`; L2 = sectors from the SMs "
-          "(`lts__t_sectors_srcunit_tex_op_{read,write,red+atom}.sum` × 32 B); time = "
-          "`gpu__time_duration.sum`. MB = 10⁶ bytes; m/p = measured ÷ predicted. K/V MB = "
-          "one head's K + V; ★ where it exceeds L2. η calibrated on the rows marked calib.", "",
+          "`flashsim.hierarchy` with the hardware preset alone (nothing fitted to these "
+          "rows but η, on the rows marked calib). DRAM = `dram__bytes_{read,write}.sum`; L2 = "
+          "sectors from the SMs (`lts__t_sectors_srcunit_tex_op_{read,write,red+atom}.sum` × "
+          "32 B); time = `gpu__time_duration.sum`. MB = 10⁶ bytes; m/p = measured ÷ "
+          "predicted. K/V MB = one head's K + V; ★ where it exceeds what L2 keeps of a "
+          "buffer every SM reads. The last column names what misses its target (DRAM "
+          "within 10%, L2 reads within 5%, time within 15%).", "",
           "| dir | kernel | N | heads (kv) | d | causal | waves | K/V MB | DRAM read MB meas | pred | m/p "
           "| DRAM write MB meas | pred | m/p | L2 read MB meas | pred | m/p | L2 red MB meas | pred "
-          "| time ms meas | pred | m/p |",
-          "|" + "---|" * 23]
+          "| time ms meas | pred | m/p | misses |",
+          "|" + "---|" * 24]
+    hw = fs.hardware.PRESETS[meta["preset"]]
+    keeps = hw.l2_retention[0] if hw.l2_retention else hw.l2_bytes // hw.l2_partitions
     for r in rows:
-        star = " ★" if r["kv_bytes_per_head"] > meta["l2_bytes"] else ""
+        star = " ★" if r["kv_bytes_per_head"] > keeps else ""
         calib = " calib" if r["calib"] else ""
         det = " det" if r["deterministic"] else ""
         md.append(
@@ -359,12 +404,13 @@ def render(rows, meta) -> str:
             f"| {ratio(r['l2_read'], r['pred_l2_read']):.3f} "
             f"| {r['l2_red'] / MB:.1f} | {r['pred_l2_red'] / MB:.1f} "
             f"| {r['time_s'] * 1e3:.3f} | {r['pred_time_s'] * 1e3:.3f} "
-            f"| {ratio(r['time_s'], r['pred_time_s']):.2f} |")
+            f"| {ratio(r['time_s'], r['pred_time_s']):.2f} | {', '.join(misses(r)) or '-'} |")
     md += ["", "Errors |m/p − 1| (mean, max, rows; DRAM rows with ≥ 1 MB predicted, time "
-           "rows not used for calibration):", ""]
+           "rows not used for calibration; lockstep rows: all but wg at d = 64 and the "
+           "deterministic backward, see below):", ""]
     for k, (mean, mx, n) in s.items():
         md.append(f"- {k}: mean {mean:.1%}, max {mx:.1%} over {n} rows")
-    return "\n".join(md) + "\n"
+    return "\n".join(md) + "\n\n" + WHY
 
 
 def main(argv=None):

@@ -44,13 +44,14 @@ class GPU:
     compute capability 8.0 on). ``l2_bytes``: L2 cache size, ``l2_line_bytes`` and
     ``l2_sector_bytes`` its line and sector (the unit DRAM traffic is counted in).
     ``regs_per_sm``, ``max_threads_per_sm``, ``max_blocks_per_sm``: the other limits on
-    how many thread blocks an SM holds at once (occupancy). ``l2_retention`` = (lo, hi)
-    bytes: what the L2 keeps of a buffer that every SM reads twice in a row — all of it
-    up to lo, none from hi, the re-read fraction rising linearly between (fitted to
-    `analysis/model_vs_hardware.py --probe`); None where unmeasured (the model then
-    takes one LRU of ``l2_bytes``). ``l2_partitions``: the L2 is split into this many
-    partitions, each caching the data that the SMs wired to it use (so data that every SM
-    reads is held once per partition).
+    how many thread blocks an SM holds at once (occupancy). ``l2_partitions``: the L2
+    is split into this many partitions; a line lives in its home partition, and an SM
+    wired to another one that reads it gets a copy in its own (so data that every SM
+    reads is held once per partition). ``l2_retention`` = (lo, hi) bytes: what the L2
+    keeps of a buffer that every SM reads twice in a row — all of it up to lo, none from
+    hi, the re-read fraction rising linearly between (fitted to the broadcast probe of
+    `analysis/model_vs_hardware.py --probe`); None where unmeasured (the model then takes
+    LRUs of ``l2_bytes`` in all).
     """
     name: str
     compute_capability: int
@@ -113,14 +114,17 @@ class GPU:
 
     @property
     def l2_capacities(self) -> tuple[int, ...]:
-        """The LRU capacities `flashsim.hierarchy` averages over: ``l2_bytes`` alone, or,
-        with ``l2_retention = (lo, hi)``, four spread evenly over (lo, hi) (the midpoints
-        of its quarters), whose average re-reads a buffer of X bytes read twice in the
-        fraction that rises linearly from 0 at lo to 1 at hi, as the probe measures."""
+        """The L2 capacities (all partitions together) `flashsim.hierarchy` averages its
+        LRUs over: ``l2_bytes`` alone, or, with ``l2_retention = (lo, hi)``, four with
+        partitions of (lo, hi) spread evenly (the midpoints of its quarters). A buffer
+        that every SM reads takes room in every partition, so the average re-reads such
+        a buffer read twice in the fraction that rises linearly from 0 at lo to 1 at hi,
+        as the broadcast probe measures."""
         if self.l2_retention is None:
             return (self.l2_bytes,)
         lo, hi = self.l2_retention
-        return tuple(int(lo + (hi - lo) * (k + 0.5) / 4) for k in range(4))
+        return tuple(self.l2_partitions * int(lo + (hi - lo) * (k + 0.5) / 4)
+                     for k in range(4))
 
     @property
     def ridge(self) -> float:
@@ -168,13 +172,13 @@ H100 = GPU(
     peak_flops=989.4e12,
     hbm_bytes_per_s=3.35e12,
     dram_sustained_bytes_per_s=3.0e12,
-    l2_bytes_per_s=6.31e12,
+    l2_bytes_per_s=6.65e12,
     smem_per_sm=228 * KiB,
     l1_smem_per_sm=256 * KiB,
     smem_per_block=227 * KiB,
     num_sms=132,
     l2_bytes=50 * MiB,
-    l2_retention=(31_500_000, 48_000_000),
+    l2_retention=(25_250_000, 31_250_000),
     l2_partitions=2,
     source=("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 1,979 TFLOPS FP16/BF16 tensor "
             "core with sparsity = 989.4 dense, 3.35 TB/s HBM3; NVIDIA H100 Tensor Core GPU "
@@ -198,17 +202,18 @@ H200 = GPU(
     smem_per_block=227 * KiB,
     num_sms=132,
     l2_bytes=60 * MiB,
-    l2_retention=(38_500_000, 52_750_000),
     l2_partitions=2,
     source=("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS FP16/BF16 tensor "
             "core with sparsity = 989.4 dense, 4.8 TB/s HBM3e, 141 GB; the GH100 SM "
             "configuration of H100 SXM (compute capability 9.0): 132 SMs, 256 KB combined "
             "L1/shared memory per SM of which up to 228 KB shared, 227 KB per thread "
             "block; L2 60 MB as the device reports it (cudaDevAttrL2CacheSize, read on an "
-            "H200 here); measured on an H200 here (analysis/model_vs_hardware.py --probe, "
-            "2026-11-23): a device-to-device copy moves 4.3 TB/s, reads that hit L2 7.06 "
-            "TB/s, a buffer read twice by all SMs is kept whole up to 38.5 MB and not at "
-            "all from 52.75 MB"),
+            "H200 here), in two partitions as the H100's; measured on an H200 here "
+            "(analysis/model_vs_hardware.py --probe, 2026-11-23): a device-to-device copy "
+            "moves 4.3 TB/s, reads that hit L2 7.06 TB/s, a buffer that each SM reads alone "
+            "is kept whole up to 38.5 MB and not at all from 52.75 MB; what it keeps of a "
+            "buffer every SM reads was not measured, so l2_retention is left unset (the "
+            "model takes the nominal 60 MiB)"),
 )
 
 PRESETS: dict[str, GPU] = {"A100": A100, "H100": H100, "H200": H200}

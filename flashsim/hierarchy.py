@@ -628,12 +628,13 @@ def _lru(keys, st, a, e, rows, edge, mult, part, nstreams, Bs, defs, row_bytes, 
     bytes each: rows fetched from DRAM, rows written back during the launch and rows left
     dirty, per stream.
 
-    A read looks in the partition of the reading SM; where that misses and another
-    partition holds the bytes, they come from there (no DRAM read), else from DRAM; either
-    way the near partition keeps a copy. ``mult`` CTAs reading at once sit on up to
-    ``partitions`` different partitions, each of which keeps a copy. Writes and reductions
-    go to the partition that owns the address (the entry's key modulo ``partitions``),
-    where the single up-to-date copy lives."""
+    Every entry has a home partition (its key modulo ``partitions``), the one that reads
+    it from DRAM, performs its reductions and writes it back. A read by an SM wired to
+    another partition also leaves a copy there (and refreshes it), so data that SMs on
+    every side read takes room in every partition. A read misses to DRAM when the home
+    partition lacks the bytes. ``mult`` CTAs reading at once sit on up to ``partitions``
+    sides. Each partition sees a fixed sequence of accesses (all reads of what it owns,
+    plus its own SMs' reads of the rest), so each is an LRU whatever the others hold."""
     P = partitions
     share = capacity // P
     fetched = [0] * nstreams      # rows read from DRAM, per stream
@@ -644,51 +645,49 @@ def _lru(keys, st, a, e, rows, edge, mult, part, nstreams, Bs, defs, row_bytes, 
     def tile_rows(k, mask, eb):
         return mask.bit_count() * Bs[k] - (defs[k] if eb >= 0 and mask >> eb & 1 else 0)
 
-    def insert(q, key, k, mask, got):
-        """Add ``got`` rows (tiles ``mask``) of ``key`` to partition q; evict to fit."""
+    def touch(q, key, k, mask, eb):
+        """Access ``mask`` of ``key`` in partition q; returns the rows it lacked."""
         cache = caches[q]
         entry = cache.get(key)
         if entry is None:
+            miss = mask
+            got = tile_rows(k, miss, eb)
             cache[key] = [k, mask, got]
         else:
             cache.move_to_end(key)
+            miss = mask & ~entry[1]
+            if not miss:
+                return 0
+            got = tile_rows(k, miss, eb)
             entry[1] |= mask
             entry[2] += got
         used[q] += got * row_bytes[k]
         while used[q] > share:
             _, (k2, _, r2) = cache.popitem(last=False)
             used[q] -= r2 * row_bytes[k2]
-            if dirty[k2]:
+            if dirty[k2] and q == _home(q, k2):
                 written[k2] += r2
+        return got
+
+    def _home(q, k2):
+        return q          # a dirty entry lives only in its home partition
 
     for key, k, lo_, hi_, r, eb, m, q0 in zip(keys.tolist(), st.tolist(), a.tolist(),
                                                e.tolist(), rows.tolist(), edge.tolist(),
                                                mult.tolist(), part.tolist()):
         mask = ((1 << (hi_ + 1)) - 1) ^ ((1 << lo_) - 1)
-        if dirty[k]:
-            where = (key % P,)
-        else:
-            where = tuple((q0 + i) % P for i in range(min(m, P)))
-        for q in where:
-            entry = caches[q].get(key)
-            have = entry[1] if entry is not None else 0
-            miss = mask & ~have
-            if not miss:
-                caches[q].move_to_end(key)
-                continue
-            far = 0
-            if not dirty[k] and P > 1:
-                for q2 in range(P):
-                    if q2 != q and key in caches[q2]:
-                        far |= caches[q2][key][1]
-            got = tile_rows(k, miss, eb)
-            fetched[k] += got - tile_rows(k, miss & far, eb)
-            insert(q, key, k, miss, got)
-        if m > len(where) and key not in caches[where[-1]]:
+        home = key % P
+        fetched[k] += touch(home, key, k, mask, eb)
+        if not dirty[k]:
+            for i in range(min(m, P)):                 # copies near the readers
+                q = (q0 + i) % P
+                if q != home:
+                    touch(q, key, k, mask, eb)
+        if m > 1 and key not in caches[home]:
             # too large to stay: every further access misses too
-            fetched[k] += r * (m - len(where))
+            fetched[k] += r * (m - 1)
             if dirty[k]:
-                written[k] += r * (m - len(where))
+                written[k] += r * (m - 1)
     left = [0] * nstreams
     for cache in caches:
         for k, _, r in cache.values():
