@@ -2,6 +2,7 @@
 the counters the kernels report map onto the simulator's tensor names, and flashsim.gpu
 fails clearly where CuPy or a device is missing."""
 
+import functools
 import shutil
 
 import pytest
@@ -29,10 +30,16 @@ def test_default_block_sizes_fit_the_shared_memory():
         kernels.default_block_sizes(256, 256, "float64", 100)
 
 
+@functools.lru_cache(maxsize=None)
+def built(arch):
+    """ptxas's report of every instance (one build per arch for the whole session)."""
+    return tuple(kernels.build(arch))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles_without_spills(arch):
-    rows = kernels.build(arch)
+    rows = built(arch)
     expected = {(i.kernel, i.dtype, i.D, inst) for i in kernels.instances()
                 for inst in (False, True) if kernels.source_arch(i.source, arch)}
     # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2; wg (sm_90a only): 1 × 2 × 2
@@ -60,3 +67,35 @@ def test_build_rejects_a_bad_arch():
 def test_gpu_functions_say_what_is_missing():
     with pytest.raises(fs.gpu.GPUUnavailableError, match=r"flashsim\[cuda1[23]\]|no CUDA device"):
         fs.gpu.attention([[1.0]], [[1.0]], [[1.0]])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
+    """kernels.REGISTERS (read by the launch model) against a fresh build: for every fast
+    instance, the CTAs per SM that its own register count allows at the tiles it runs are
+    what the table's count allows, and the table never undercounts."""
+    from flashsim.hardware import A100, H100
+    hw, cc = (H100, 90) if arch == "sm_90" else (A100, 80)
+    for r in built(arch):
+        if r.instrumented:
+            continue
+        table = kernels.registers(r.kernel, r.D, cc)
+        assert table >= r.registers, (r.kernel, r.dtype, r.D)
+        d = r.D or 64
+        if r.kernel in ("flash2_fwd_wg",):
+            Br, Bc = kernels.WG_BLOCKS[d]
+        elif r.kernel in ("flash2_fwd_tc",):
+            Br, Bc = kernels.tc_blocks(d, cc // 10)
+        elif r.kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
+            Br, Bc = kernels.tc_bwd_blocks(d, cc // 10)
+        else:
+            Br, Bc = kernels.default_block_sizes(d, d, r.dtype, hw.smem_per_block,
+                                                 r.kernel == "flash2_bwd_main")
+        smem = kernels.smem_bytes(r.kernel, Br, Bc, d, d, r.dtype)
+        threads = kernels.threads(r.kernel, d, cc)
+
+        def occupancy(regs):
+            return kernels.ctas_per_sm(threads=threads, registers=regs, smem=smem,
+                                       smem_per_sm=hw.smem_per_sm)
+        assert occupancy(table) == occupancy(r.registers), (r.kernel, r.dtype, r.D)
