@@ -36,6 +36,15 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Lay out and write a figure as out_dir/name (130 dpi); returns its path."""
+    fig.tight_layout()
+    path = out_file(out_dir, name)
+    fig.savefig(path, dpi=130)
+    print(f"wrote {os.path.relpath(path)}")
+    return path
+
+
 def out_file(out_dir: str, name: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     return os.path.join(out_dir, name)

@@ -98,10 +98,7 @@ def main(argv=None):
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("DRAM bytes read (MB)")
     axes[0].legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path = C.out_file(a.out, "l2_cliff.png")
-    fig.savefig(path, dpi=130)
-    print(f"wrote {os.path.relpath(path)}")
+    C.save_figure(fig, a.out, "l2_cliff.png")
     return 0
 
 

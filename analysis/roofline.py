@@ -99,10 +99,7 @@ def main(argv=None):
     ax.set_title(f"Attention forward on the roofline — {data['meta']['gpu']}")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path = C.out_file(a.out, "roofline.png")
-    fig.savefig(path, dpi=130)
-    print(f"wrote {os.path.relpath(path)}")
+    C.save_figure(fig, a.out, "roofline.png")
     return 0
 
 

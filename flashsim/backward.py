@@ -101,11 +101,10 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
     q, k, v, shape = check_arrays(q, k, v)
     if hardware is not None:
         from . import hierarchy
-        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
         hw_blocks = block_sizes
-        block_sizes = hierarchy.tiles_for(shape, q.dtype if io_dtype is None else io_dtype,
-                                          hardware, backward=True, launch=launch,
-                                          block_sizes=block_sizes)
+        block_sizes = hierarchy.hardware_tiles(
+            algorithm, shape, q.dtype if io_dtype is None else io_dtype, hardware,
+            sram_bytes=sram_bytes, block_sizes=block_sizes, launch=launch, backward=True)
     out_shape = shape.batch_shape + (shape.Nq, shape.dv)
     out = _check_saved("out", out, out_shape)
     dout = _check_saved("dout", dout, out_shape)
@@ -347,9 +346,9 @@ def count_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None =
     capped = check_softcap(softcap) is not None
     if hardware is not None:
         from . import hierarchy
-        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
-        blocks = hierarchy.tiles_for(shape, io_dtype, hardware, backward=True, launch=launch,
-                                     block_sizes=block_sizes)
+        blocks = hierarchy.hardware_tiles(algorithm, shape, io_dtype, hardware,
+                                          sram_bytes=sram_bytes, block_sizes=block_sizes,
+                                          launch=launch, backward=True)
         traffic = count_backward(algorithm, Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
                                  kv_batch_shape=kv_batch_shape, block_sizes=blocks,
                                  causal=causal, io_dtype=io_dtype, window=window)

@@ -41,9 +41,9 @@ def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     opts = check_options(algorithm, num_splits=num_splits)
     if hardware is not None:
         from . import hierarchy
-        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
-        blocks = hierarchy.tiles_for(shape, io_dtype, hardware, backward=False, launch=launch,
-                                     block_sizes=block_sizes)
+        blocks = hierarchy.hardware_tiles(algorithm, shape, io_dtype, hardware,
+                                          sram_bytes=sram_bytes, block_sizes=block_sizes,
+                                          launch=launch, backward=False)
         traffic = _count_flash2(shape, Tiles(shape.Nq, shape.Nk, *blocks, band), b)
         return hierarchy.predict(shape, io_dtype, band, hardware, launch=launch,
                                  block_sizes=block_sizes, traffic=traffic)

@@ -828,6 +828,15 @@ def check_hardware_args(algorithm: str, sram_bytes, block_sizes, launch) -> None
         raise ValueError(f"launch must be one of {RUNGS}, got {launch!r}")
 
 
+def hardware_tiles(algorithm: str, shape: Shape, io_dtype, hardware, *, sram_bytes,
+                   block_sizes, launch: str, backward: bool) -> tuple[int, int]:
+    """What `count`, `simulate` and their backwards run with ``hardware=``: the arguments
+    checked, then (Br, Bc) of the schedule the kernel ``launch`` runs on ``hardware``."""
+    check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
+    return tiles_for(shape, io_dtype, hardware, backward=backward, launch=launch,
+                     block_sizes=block_sizes)
+
+
 def tiles_for(shape: Shape, io_dtype, hardware, *, backward: bool, launch: str,
               block_sizes) -> tuple[int, int]:
     """(Br, Bc) of the schedule the kernel ``launch`` runs on ``hardware``."""

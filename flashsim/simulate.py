@@ -67,11 +67,10 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
     if hardware is not None:
         from . import hierarchy
-        hierarchy.check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
         hw_blocks = block_sizes
-        block_sizes = hierarchy.tiles_for(shape, q.dtype if io_dtype is None else io_dtype,
-                                          hardware, backward=False, launch=launch,
-                                          block_sizes=block_sizes)
+        block_sizes = hierarchy.hardware_tiles(
+            algorithm, shape, q.dtype if io_dtype is None else io_dtype, hardware,
+            sram_bytes=sram_bytes, block_sizes=block_sizes, launch=launch, backward=False)
     scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
                          alibi_slopes)
     opts = check_options(algorithm, num_splits=num_splits)

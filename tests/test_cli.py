@@ -237,3 +237,32 @@ def test_sweep_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
     assert code == 2
     assert 'pip install "flashsim[analysis]"' in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_simulate_hardware_prints_three_levels(capsys):
+    code, out, err = run(capsys, "simulate", "--hardware", "H100", "--seq", "131072",
+                         "--head-dim", "128")
+    assert code == 0, err
+    assert "flash2_fwd_wg: grid 1024×1 of 256 threads" in out and "7.76 waves" in out
+    assert "SM↔L2 read" in out and "L2↔DRAM read" in out and "compulsory read" in out
+    assert "predicted time" in out
+    d = run_json(capsys, "simulate", "--hardware", "h100", "--seq", "2000", "--heads", "4",
+                 "--kv-heads", "2", "--backward", "--deterministic", "--causal")
+    want = fs.count_backward("flash2", Nq=2000, Nk=2000, d=64, batch_shape=(1, 4),
+                             kv_batch_shape=(1, 2), causal=True, hardware="H100",
+                             deterministic=True)
+    assert [x["kernel"] for x in d["launches"]] == [lp.launch.kernel for lp in want.launches]
+    assert d["levels"] == want.levels.to_dict() and d["time_s"] == want.time_s
+    assert d["launches"][1]["kernel"] == "flash2_bwd_tc_det"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--hardware", "H100", "--algorithm", "flash1"), "run flash2"),
+    (("--hardware", "H100", "--sram", "192KiB"), "drop --sram"),
+    (("--hardware", "V100"), "unknown hardware"),
+    (("--backward",), "go with --hardware"),
+    (("--hardware", "A100", "--launch", "wg"), "compute capability 9.0"),
+])
+def test_simulate_hardware_errors(capsys, argv, message):
+    code, out, err = run(capsys, "simulate", *argv)
+    assert code == 2 and message in err
