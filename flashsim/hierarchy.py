@@ -20,17 +20,27 @@ bytes from the launch:
    running CTA advances one inner step (one visited tile pair) per time unit, so a CTA of
    n steps started at t runs over [t, t + n). This is the lockstep a GPU shows when its
    CTAs do equal work per step.
-4. **The L2**: fully associative, least recently used, write-back and write-allocate
-   (a write fills its bytes without reading DRAM; a reduction that misses first reads the
-   bytes from DRAM), with capacity ``hardware.l2_bytes``, fed by the accesses of the CTAs
-   running at each time unit, in time order (prologue reads, inner step, epilogue writes;
-   CTAs in launch order within a time unit). Its entries are whole tiles: the tile of one
-   problem's rows that a CTA moves at once (Q_i; K_j with V_j; Q_i, dO_i, L_i, D_i with
-   dQacc_i), which are always accessed together. A miss reads the entry's bytes from DRAM;
-   an evicted entry that was written is written back to DRAM. Writes still in L2 when the
-   kernel ends reach DRAM after it (``writeback``): Nsight Compute counts only what moves
-   during the launch, which is ``levels["L2-DRAM"]``. L2 starts empty, as after Nsight
-   Compute's ``--cache-control all``.
+4. **The L2**: ``hardware.l2_partitions`` partitions, each least recently used,
+   write-back and write-allocate (a write fills its bytes without reading DRAM; a
+   reduction that misses first reads them from DRAM), fed by the accesses of the CTAs
+   running at each time unit, in time order (CTAs in launch order within a time unit,
+   each CTA's moves in program order: prologue reads, inner step, epilogue writes). Each
+   entry has a home partition, which reads it from DRAM, performs its reductions and
+   writes it back; an SM wired to another partition that reads it also keeps a copy
+   there, so data that every SM reads (K and V of a head) takes room in every partition,
+   as NVIDIA describes the A100's and H100's L2 ("each partition localizes and caches
+   data for memory accesses from SMs in the GPCs directly connected to the partition").
+   Slot k of the dispatch is on SM k mod SMs, and SM s is wired to partition s mod
+   partitions. Entries are whole tiles: the tile of one problem's rows that a CTA moves at
+   once (Q_i; K_j with V_j; Q_i, dO_i, L_i, D_i), which are always accessed together. A
+   read misses to DRAM when its home partition lacks the bytes; an evicted entry that was
+   written is written back to DRAM. Writes still in L2 when the kernel ends reach DRAM
+   after it (``writeback``): Nsight Compute counts only what moves during the launch,
+   which is ``levels["L2-DRAM"]``. L2 starts empty, as after Nsight Compute's
+   ``--cache-control all``. Where the preset gives ``l2_retention`` (what the L2 keeps of
+   a buffer that every SM reads twice, measured), the counts are the average over LRUs
+   whose partition sizes are spread evenly over that range; else the partitions share
+   ``l2_bytes``.
 
 Identical accesses by CTAs that start together (same problem, same first tile) arrive in
 the same time unit and are folded into one access with a multiplicity: the repeats hit,
@@ -42,8 +52,12 @@ the entry happens when it enters it, and misses only on the tiles not yet loaded
 the smallest power of two that fits and is reported (``superblock``); G = 1 is the exact
 tile-by-tile LRU, and the error of G > 1 is at most G steps of reuse distance.
 
-The L2 is one pool, as the programming model sees it; the H100's is two partitions of
-25 MB, which the validation in `analysis/model_vs_hardware.py` holds the model against.
+Each partition sees a fixed sequence of accesses (every read of what it owns, its own
+SMs' reads of the rest, the writes and reductions it owns), so DRAM traffic never rises
+as the L2 grows, never falls below the compulsory bytes, equals them when the L2 holds
+everything, and equals the two-level count when it holds nothing (`tests/
+test_hierarchy.py`). `analysis/model_vs_hardware.py` holds the model against Nsight
+Compute on an H100 and an H200.
 
 Time (`LaunchPrediction.time_s`), stated as a formula:
 
