@@ -18,6 +18,7 @@ from .backward import Gradients, count_backward, simulate_backward
 from .count import count
 from .errors import SRAMOverflowError
 from .hierarchy import Launch, Levels, Prediction
+from .kvcache import KVCacheResult, count_kvcache, num_splits_heuristic, simulate_kvcache
 from .problem import ALGORITHMS
 from .reference import attention_backward_reference, attention_reference, attention_same_dtype
 from .simulate import Result, simulate
@@ -32,4 +33,5 @@ __all__ = ["simulate", "count", "simulate_backward", "count_backward", "Traffic"
            "Gradients", "SRAMOverflowError", "theory", "softmax", "attention_reference",
            "attention_backward_reference", "attention_same_dtype", "gpu", "format_table", "ALGORITHMS", "simulate_varlen",
            "count_varlen", "VarlenResult", "simulate_varlen_backward", "count_varlen_backward",
-           "VarlenGradients", "hardware", "hierarchy", "Levels", "Prediction", "Launch"]
+           "VarlenGradients", "hardware", "hierarchy", "Levels", "Prediction", "Launch",
+           "simulate_kvcache", "count_kvcache", "KVCacheResult", "num_splits_heuristic"]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 # Canonical tensor order for tables: inputs, intermediates, output, row statistics.
-TENSOR_ORDER = ("Q", "K", "V", "S", "P", "Osplit", "O", "m", "l", "Lsplit", "L",
+TENSOR_ORDER = ("Q", "K", "V", "Knew", "Vnew", "block_table", "S", "P", "Osplit", "O", "m", "l", "Lsplit", "L",
                 "dO", "D", "dP", "dS", "dQacc", "dQ", "dK", "dV")
 
 
