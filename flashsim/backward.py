@@ -42,7 +42,7 @@ from .precision import EXACT, Precision, make_precision
 from .variants import Scores, make_band, make_scores
 
 NEG_INF = -np.inf
-BACKWARD_ALGORITHMS = ("standard", "flash1", "flash2")
+BACKWARD_ALGORITHMS = ("standard", "flash1", "flash2", "ring")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Gradients:
     sram_peak_bytes: int | None
     algorithm: str
     prediction: object = None    # flashsim.hierarchy.Prediction, with hardware=
+    ring: object = None          # flashsim.ring.RingGradients, for algorithm="ring"
 
 
 def _check_backward_algorithm(algorithm: str) -> str:
@@ -86,7 +87,8 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
                       block_sizes=None, causal: bool = False, scale=None, io_dtype=None,
                       window=None, softcap=None, alibi_slopes=None,
                       precision: str = "float64", hardware=None, launch: str = "auto",
-                      deterministic: bool = False) -> Gradients:
+                      deterministic: bool = False, world_size=None,
+                      assignment: str = "contiguous") -> Gradients:
     """Gradients of attention with respect to q, k, v for upstream gradient ``dout``,
     run tile by tile with ``algorithm`` ∈ {"standard", "flash1", "flash2"}.
 
@@ -99,6 +101,25 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
     """
     algorithm = _check_backward_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
+    if algorithm == "ring" or world_size is not None:
+        if algorithm != "ring" or world_size is None:
+            raise ValueError("world_size goes with algorithm='ring', which needs it")
+        if (window, softcap, alibi_slopes) != (None, None, None) or precision != "float64":
+            raise ValueError("algorithm='ring' takes causal or not and block sizes; window, "
+                             "softcap, alibi_slopes and precision are not supported there")
+        from .ring import simulate_ring_backward
+        out_shape = shape.batch_shape + (shape.Nq, shape.dv)
+        r = simulate_ring_backward(
+            q, k, v, _check_saved("out", out, out_shape),
+            _check_saved("lse", lse, shape.batch_shape + (shape.Nq,), allow_neg_inf=True),
+            _check_saved("dout", dout, out_shape), world_size=world_size,
+            assignment=assignment, causal=causal, block_sizes=block_sizes,
+            sram_bytes=sram_bytes, scale=scale, io_dtype=io_dtype, hardware=hardware or "H100")
+        blocks = resolve_block_sizes("flash2-backward", sram_bytes=sram_bytes,
+                                     block_sizes=block_sizes, d=shape.d, dv=shape.dv,
+                                     itemsize=itemsize_of(q.dtype if io_dtype is None else io_dtype))
+        return Gradients(dq=r.dq, dk=r.dk, dv=r.dv, traffic=r.traffic, block_sizes=blocks,
+                         sram_peak_bytes=None, algorithm="ring", ring=r)
     if hardware is not None:
         from . import hierarchy
         hw_blocks = block_sizes
@@ -339,6 +360,9 @@ def count_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None =
     `count` does for the forward."""
     from .variants import check_softcap
     algorithm = _check_backward_algorithm(algorithm)
+    if algorithm == "ring":
+        raise ValueError("ring attention's traffic comes from running its ranks: use "
+                         "fs.simulate_backward(..., 'ring', world_size=...)")
     shape = make_shape(Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
                        kv_batch_shape=kv_batch_shape)
     b = itemsize_of(io_dtype)

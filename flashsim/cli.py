@@ -25,7 +25,7 @@ from .problem import itemsize_of, make_shape
 
 CORE_ALGORITHMS = ("standard", "flash1", "flash2")
 # `flashsim simulate` also runs these (the default comparison and sweep stay on the core three)
-SIMULATE_ALGORITHMS = CORE_ALGORITHMS + ("splitkv", "square")
+SIMULATE_ALGORITHMS = CORE_ALGORITHMS + ("splitkv", "square", "ring")
 # `flashsim sweep --algorithms` takes these (splitkv needs a split count, so it is left out)
 SWEEP_ALGORITHMS = CORE_ALGORITHMS + ("square",)
 from .reference import attention_reference
@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count bytes only (fs.count): no arrays, fast at any N")
     s.add_argument("--seed", type=int, default=0, help="random seed for q, k, v (default: 0)")
     s.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    rg = s.add_argument_group("ring attention (--algorithm ring)")
+    rg.add_argument("--world-size", type=int, default=None, metavar="W",
+                    help="ranks the sequence is split over (ring only)")
+    rg.add_argument("--assignment", choices=("contiguous", "zigzag"), default="contiguous",
+                    help="slices per rank: W contiguous chunks, or zigzag (chunks r and "
+                         "2W − 1 − r of 2W; balances a causal mask)")
     hw = s.add_argument_group(
         "three levels (SM↔L2, L2↔DRAM, compulsory) for the project's GPU kernels")
     hw.add_argument("--hardware", metavar="GPU", default=None,
@@ -251,10 +257,14 @@ def run_default() -> int:
 # -- flashsim simulate ------------------------------------------------------------------
 
 def run_simulate(args) -> int:
+    if args.algorithm == "ring" or args.world_size is not None:
+        return run_ring(args)
     if args.hardware is not None:
         return run_hardware(args)
     if args.backward or args.deterministic or args.launch != "auto":
         raise CLIError("--backward, --deterministic and --launch go with --hardware")
+    if args.assignment != "contiguous":
+        raise CLIError("--assignment goes with --algorithm ring")
     alg = args.algorithm
     Nq = args.seq
     Nk = args.seq if args.seq_k is None else args.seq_k
@@ -604,6 +614,69 @@ def run_kernels_build(args) -> int:
 
 
 # -- entry point ------------------------------------------------------------------------
+
+def run_ring(args) -> int:
+    """`flashsim simulate --algorithm ring --world-size W`: per-rank HBM and interconnect
+    traffic of ring attention over W simulated ranks."""
+    if args.algorithm != "ring" or args.world_size is None:
+        raise CLIError("--world-size goes with --algorithm ring, which needs it")
+    if args.no_math or args.backward:
+        raise CLIError("--algorithm ring runs the forward's math on every rank; drop "
+                       "--no-math and --backward")
+    N, W = args.seq, args.world_size
+    if args.seq_k not in (None, N):
+        raise CLIError("ring attention splits one sequence: --seq-k must equal --seq")
+    B, H = args.batch, args.heads
+    Hk = H if args.kv_heads is None else args.kv_heads
+    if Hk < 1 or H % Hk:
+        raise CLIError(f"--kv-heads {Hk} must divide --heads {H}")
+    if B * H * N * N > MAX_SCORE_ENTRIES:
+        raise CLIError(f"B·H·N² = {B * H * N * N:,} attention scores is too many for a math "
+                       "run (limit 2**31)")
+    sram = args.sram if args.block_sizes is None else None
+    if sram is None and args.block_sizes is None:
+        sram = DEFAULT_SRAM
+    rng = np.random.default_rng(args.seed)
+    d, dv = args.head_dim, args.head_dim_v or args.head_dim
+    q = rng.standard_normal((B, H, N, d), dtype=np.float32)
+    k = rng.standard_normal((B, Hk, N, d), dtype=np.float32)
+    v = rng.standard_normal((B, Hk, N, dv), dtype=np.float32)
+    r = simulate(q, k, v, "ring", world_size=W, assignment=args.assignment,
+                 causal=args.causal, io_dtype=args.dtype, hardware=args.hardware or "H100",
+                 sram_bytes=sram, block_sizes=tuple(args.block_sizes) if args.block_sizes else None)
+    ring = r.ring
+    if args.json:
+        print(json.dumps({"algorithm": "ring", "world_size": W, "assignment": args.assignment,
+                          "ranks": [t.to_dict() for t in ring.ranks],
+                          "links": [t.to_dict() for t in ring.links],
+                          "traffic": r.traffic.to_dict(), "time_s": ring.time_s,
+                          "steps": [{k_: (list(v_) if isinstance(v_, tuple) else v_)
+                                     for k_, v_ in st.items()} for st in ring.steps]},
+                         indent=2))
+        return 0
+    print(f"flashsim simulate: ring attention over {W} ranks ({args.assignment} slices), "
+          f"N = {N}, d = {d}, batch {B}, heads {H}"
+          + (f" (K/V heads {Hk})" if Hk != H else "") + f", {args.dtype}, "
+          f"{_causal_word(args.causal)}; tiles {r.block_sizes[0]}×{r.block_sizes[1]}")
+    print()
+    print("HBM traffic per rank")
+    print(format_table({f"rank {i}": t for i, t in enumerate(ring.ranks[:4])}))
+    if W > 4:
+        print(f"(ranks 4 … {W - 1} not shown; --json has all)")
+    print()
+    print("interconnect per rank (read = received, write = sent)")
+    print(ring.links[0].table())
+    print()
+    hw = get_hardware(args.hardware or "H100")
+    print(f"predicted on {hw.name} (NVLink {hw.link_bytes_per_s / 1e9:.0f} GB/s each way): "
+          f"{ring.time_s * 1e6:.1f} µs over {W} steps, each the larger of its compute and "
+          "its transfer")
+    fine = np.abs(r.out - simulate(q, k, v, "flash2", causal=args.causal, sram_bytes=sram,
+                                   block_sizes=tuple(args.block_sizes) if args.block_sizes
+                                   else None).out).max()
+    print(f"max |out − flash2's out on one device| = {fine:.2e}")
+    return 0
+
 
 def run_hardware(args) -> int:
     """`flashsim simulate --hardware H100`: the three-level prediction of a kernel launch."""

@@ -34,6 +34,10 @@ def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     (``launch``: "auto" as `fs.gpu.attention` picks, or "wg", "tc", "ref"), whose
     ``.traffic`` is this function's count for the kernel's tiles."""
     algorithm = check_algorithm(algorithm)
+    if algorithm == "ring":
+        raise ValueError("ring attention's traffic comes from running its ranks: use "
+                         "fs.simulate(q, k, v, 'ring', world_size=...) (and "
+                         "flashsim.ring.ring_interconnect for the links)")
     shape = make_shape(Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=batch_shape,
                        kv_batch_shape=kv_batch_shape)
     b = itemsize_of(io_dtype)

@@ -47,7 +47,8 @@ class GPU:
     how many thread blocks an SM holds at once (occupancy). ``l2_partitions``: the L2
     is split into this many partitions; a line lives in its home partition, and an SM
     wired to another one that reads it gets a copy in its own (so data that every SM
-    reads is held once per partition). ``l2_retention`` = (lo, hi) bytes: what the L2
+    reads is held once per partition). ``link_bytes_per_s``: NVLink bandwidth to a peer,
+    one direction (what a ring step's send gets). ``l2_retention`` = (lo, hi) bytes: what the L2
     keeps of a buffer that every SM reads twice in a row — all of it up to lo, none from
     hi, the re-read fraction rising linearly between (fitted to the broadcast probe of
     `analysis/model_vs_hardware.py --probe`); None where unmeasured (the model then takes
@@ -73,6 +74,7 @@ class GPU:
     smem_reserved_per_block: int = 1024
     l2_retention: tuple | None = None
     l2_partitions: int = 1
+    link_bytes_per_s: float = 450e9
 
     def __post_init__(self):
         for f in fields(self):
@@ -155,6 +157,7 @@ A100 = GPU(
     num_sms=108,
     l2_bytes=40 * MiB,
     l2_partitions=2,
+    link_bytes_per_s=300e9,
     source=("NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: 312 TFLOPS FP16/BF16 "
             "tensor core dense (624 with sparsity), 2,039 GB/s HBM2e (the 40GB part has "
             "1,555 GB/s, ridge 200.6 FLOP/B); NVIDIA A100 Tensor Core GPU Architecture "
@@ -162,7 +165,7 @@ A100 = GPU(
             "192 KB combined L1/shared memory per SM of which up to 164 KB shared, 163 KB "
             "per thread block, 64K registers and 2048 threads per SM, 40 MB L2 of 128-byte "
             "lines in 32-byte sectors in two partitions, each caching data for the SMs of "
-            "the GPCs wired to it, L2 reads 5120 bytes/clock at the 1410 MHz boost "
+            "the GPCs wired to it, NVLink 600 GB/s (300 each way), L2 reads 5120 bytes/clock at the 1410 MHz boost "
             "clock; sustained DRAM taken as 90% of peak (not measured here)"),
 )
 
@@ -185,7 +188,8 @@ H100 = GPU(
             "Architecture whitepaper and CUDA C++ Programming Guide (compute capability "
             "9.0): 132 SMs, 256 KB combined L1/shared memory per SM of which up to 228 KB "
             "shared, 227 KB per thread block, 64K registers and 2048 threads per SM, 50 MB "
-            "L2 of 128-byte lines in 32-byte sectors in two partitions (as the A100's); measured on an H100 80GB HBM3 here: "
+            "L2 of 128-byte lines in 32-byte sectors in two partitions (as the A100's); NVLink "
+            "900 GB/s (450 each way); measured on an H100 80GB HBM3 here: "
             "a device-to-device copy moves 3.0 TB/s (read plus written), L2 read hits "
             "at 7.0 TB/s"),
 )
@@ -207,7 +211,7 @@ H200 = GPU(
             "core with sparsity = 989.4 dense, 4.8 TB/s HBM3e, 141 GB; the GH100 SM "
             "configuration of H100 SXM (compute capability 9.0): 132 SMs, 256 KB combined "
             "L1/shared memory per SM of which up to 228 KB shared, 227 KB per thread "
-            "block; L2 60 MB as the device reports it (cudaDevAttrL2CacheSize, read on an "
+            "block, NVLink 900 GB/s (450 each way); L2 60 MB as the device reports it (cudaDevAttrL2CacheSize, read on an "
             "H200 here), in two partitions as the H100's; measured on an H200 here "
             "(analysis/model_vs_hardware.py --probe, 2026-11-23): a device-to-device copy "
             "moves 4.3 TB/s, reads that hit L2 7.06 TB/s, a buffer that each SM reads alone "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ALGORITHMS = ("standard", "flash1", "flash2", "splitkv", "square")
+ALGORITHMS = ("standard", "flash1", "flash2", "splitkv", "square", "ring")
 FLASH_ALGORITHMS = ("flash1", "flash2")
 
 # Row statistics m, ℓ, L are fp32 in every real kernel, whatever the I/O type.

@@ -39,12 +39,14 @@ class Result:
     algorithm: str
     shape: Shape
     prediction: object = None    # flashsim.hierarchy.Prediction, with hardware=
+    ring: object = None          # flashsim.ring.RingResult, for algorithm="ring"
 
 
 def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
              causal: bool = False, scale=None, io_dtype=None, window=None, softcap=None,
              alibi_slopes=None, num_splits=None, precision: str = "float64",
-             hardware=None, launch: str = "auto") -> Result:
+             hardware=None, launch: str = "auto", world_size=None,
+             assignment: str = "contiguous") -> Result:
     """Run ``algorithm`` on q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) and count its
     HBM traffic.
 
@@ -65,6 +67,10 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     algorithm = check_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
     itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
+    if algorithm == "ring" or world_size is not None:
+        return _ring_result(q, k, v, shape, algorithm, world_size, assignment, causal,
+                            block_sizes, sram_bytes, scale, io_dtype, hardware,
+                            (window, softcap, alibi_slopes, num_splits, precision, launch))
     if hardware is not None:
         from . import hierarchy
         hw_blocks = block_sizes
@@ -103,6 +109,29 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
                   traffic=machine.traffic, block_sizes=blocks,
                   sram_peak_bytes=peak, algorithm=algorithm, shape=shape,
                   prediction=prediction)
+
+
+def _ring_result(q, k, v, shape, algorithm, world_size, assignment, causal, block_sizes,
+                 sram_bytes, scale, io_dtype, hardware, unsupported) -> Result:
+    """algorithm="ring": `flashsim.ring.simulate_ring` over ``world_size`` ranks."""
+    from .ring import simulate_ring
+    if algorithm != "ring" or world_size is None:
+        raise ValueError("world_size goes with algorithm='ring', which needs it (the number "
+                         "of ranks the sequence is split over)")
+    window, softcap, alibi, splits, precision, launch = unsupported
+    if (window, softcap, alibi, splits) != (None, None, None, None) or precision != "float64" \
+            or launch != "auto":
+        raise ValueError("algorithm='ring' takes causal or not, block sizes and the hardware "
+                         "(for its link and compute rates); window, softcap, alibi_slopes, "
+                         "num_splits, precision and launch are not supported there")
+    r = simulate_ring(q, k, v, world_size=world_size, assignment=assignment, causal=causal,
+                      block_sizes=block_sizes, sram_bytes=sram_bytes, scale=scale,
+                      io_dtype=io_dtype, hardware=hardware or "H100")
+    blocks = resolve_block_sizes("flash2", sram_bytes=sram_bytes, block_sizes=block_sizes,
+                                 d=shape.d, dv=shape.dv,
+                                 itemsize=itemsize_of(q.dtype if io_dtype is None else io_dtype))
+    return Result(out=r.out, lse=r.lse, traffic=r.traffic, block_sizes=blocks,
+                  sram_peak_bytes=None, algorithm="ring", shape=shape, ring=r)
 
 
 def _hbm(shape: Shape, cols: int | None, fill: float) -> np.ndarray:

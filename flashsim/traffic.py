@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 # Canonical tensor order for tables: inputs, intermediates, output, row statistics.
-TENSOR_ORDER = ("Q", "K", "V", "Knew", "Vnew", "block_table", "S", "P", "Osplit", "O", "m", "l", "Lsplit", "L",
-                "dO", "D", "dP", "dS", "dQacc", "dQ", "dK", "dV")
+TENSOR_ORDER = ("Q", "K", "V", "Knew", "Vnew", "block_table", "S", "P", "Osplit", "Oring", "O",
+                "m", "l", "Lsplit", "Lring", "L",
+                "dO", "D", "dP", "dS", "dQacc", "dQring", "dQ", "dKring", "dK", "dVring", "dV")
 
 
 def _order_key(name: str) -> tuple[int, str]:

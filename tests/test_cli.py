@@ -266,3 +266,18 @@ def test_simulate_hardware_prints_three_levels(capsys):
 def test_simulate_hardware_errors(capsys, argv, message):
     code, out, err = run(capsys, "simulate", *argv)
     assert code == 2 and message in err
+
+
+def test_simulate_ring(capsys):
+    code, out, err = run(capsys, "simulate", "--algorithm", "ring", "--world-size", "4",
+                         "--assignment", "zigzag", "--causal", "--seq", "256", "--heads", "2")
+    assert code == 0, err
+    assert "ring attention over 4 ranks (zigzag slices)" in out
+    assert "rank 3 read" in out and "interconnect per rank" in out
+    d = run_json(capsys, "simulate", "--algorithm", "ring", "--world-size", "2", "--seq", "128")
+    assert len(d["ranks"]) == 2 and d["links"][0]["writes"]["K"] == 64 * 64 * 2
+    code, out, err = run(capsys, "simulate", "--world-size", "2")
+    assert code == 2 and "--algorithm ring" in err
+    code, out, err = run(capsys, "simulate", "--algorithm", "ring", "--world-size", "3",
+                         "--seq", "100")
+    assert code == 2 and "pad the sequence" in err
