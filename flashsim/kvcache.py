@@ -62,21 +62,8 @@ class PackedTiles(Tiles):
     def off(self) -> int:
         return self.Nk - self.Nq // self.g
 
-    def _positions(self, i0, i1):
+    def positions(self, i0, i1):
         return i0 // self.g, (i1 - 1) // self.g + 1
-
-    def kv_ranges(self):
-        i0, i1 = self.q_bounds()
-        p0, p1 = self._positions(i0, i1)
-        c_lo = np.zeros_like(p0)
-        c_hi = np.full_like(p0, self.Nk - 1)
-        if self.band.left is not None:
-            c_lo = np.maximum(c_lo, p0 + self.off - self.band.left)
-        if self.band.right is not None:
-            c_hi = np.minimum(c_hi, p1 - 1 + self.off + self.band.right)
-        empty = (c_lo > c_hi) | (i1 <= i0)
-        return (np.where(empty, 0, c_lo // self.Bc),
-                np.where(empty, -1, np.where(empty, 0, c_hi) // self.Bc))
 
     def q_ranges(self):
         raise NotImplementedError("packed tiles are for the forward (decoding) only")

@@ -78,12 +78,10 @@ def _pair_kind(qc, kc, causal: bool) -> str | None:
 
 
 @dataclass(frozen=True)
-class RingResult:
-    """What `simulate_ring` returns: out, lse as `fs.simulate`'s; traffic summed over the
-    ranks, per-rank HBM traffic, per-rank interconnect traffic (writes = sent, reads =
-    received), the predicted time and each step's terms."""
-    out: np.ndarray
-    lse: np.ndarray
+class RingRun:
+    """What both directions report: the traffic summed over the ranks, per-rank HBM
+    traffic, per-rank interconnect traffic (writes = sent, reads = received), the
+    predicted time and each step's terms."""
     traffic: Traffic
     ranks: tuple
     links: tuple
@@ -94,17 +92,18 @@ class RingResult:
 
 
 @dataclass(frozen=True)
-class RingGradients:
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    traffic: Traffic
-    ranks: tuple
-    links: tuple
-    time_s: float
-    steps: tuple
-    world_size: int
-    assignment: str
+class RingResult(RingRun):
+    """What `simulate_ring` returns: out, lse as `fs.simulate`'s, and the ring's report."""
+    out: np.ndarray = None
+    lse: np.ndarray = None
+
+
+@dataclass(frozen=True)
+class RingGradients(RingRun):
+    """What `simulate_ring_backward` returns: dq, dk, dv, and the ring's report."""
+    dq: np.ndarray = None
+    dk: np.ndarray = None
+    dv: np.ndarray = None
 
 
 def _merge(O, L, Ot, Lt):
@@ -236,17 +235,16 @@ def _ring(q, k, v, world_size, assignment, causal, tiles, scale, io_dtype, hardw
         step_terms.append({"compute_s": comp, "link_s": link, "time_s": max(comp, link),
                            "compute_per_rank_s": tuple(steps[t])})
         total += max(comp, link)
-    traffic = sum(ranks, Traffic())
+    report = dict(traffic=sum(ranks, Traffic()), ranks=tuple(ranks), links=links, time_s=total,
+                  steps=tuple(step_terms), world_size=W, assignment=assignment)
     if backward is None:
         O = np.zeros(shape.batch_shape + (N, dv))
         L = np.zeros(shape.batch_shape + (N,))
         for (r, qc), val in O_acc.items():
             O[..., qc[0]:qc[1], :] = val
             L[..., qc[0]:qc[1]] = L_acc[(r, qc)]
-        return RingResult(O, L, traffic, tuple(ranks), links, total, tuple(step_terms), W,
-                          assignment)
-    return RingGradients(dq, dk, dv_, traffic,
-                         tuple(ranks), links, total, tuple(step_terms), W, assignment)
+        return RingResult(out=O, lse=L, **report)
+    return RingGradients(dq=dq, dk=dk, dv=dv_, **report)
 
 
 def _step_sent(N, W, d, dv, b, problems, t, backward):
@@ -299,4 +297,4 @@ def simulate_ring_backward(q, k, v, out, lse, dout, *, world_size: int,
 
 
 __all__ = ["simulate_ring", "simulate_ring_backward", "ring_interconnect", "chunks",
-           "RingResult", "RingGradients", "ASSIGNMENTS"]
+           "RingRun", "RingResult", "RingGradients", "ASSIGNMENTS"]

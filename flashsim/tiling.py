@@ -90,15 +90,20 @@ class Tiles:
         j0 = np.arange(self.Tc, dtype=np.int64) * self.Bc
         return j0, np.minimum(j0 + self.Bc, self.Nk)
 
+    def positions(self, i0, i1):
+        """Query positions [p0, p1) that rows [i0, i1) hold: the rows themselves here
+        (a subclass may pack several heads per position)."""
+        return i0, i1
+
     def kv_ranges(self):
         """(jlo, jhi) per Q tile: visible keys of rows i0..i1-1 form one interval."""
-        i0, i1 = self.q_bounds()
-        c_lo = np.zeros_like(i0)
-        c_hi = np.full_like(i0, self.Nk - 1)
+        p0, p1 = self.positions(*self.q_bounds())
+        c_lo = np.zeros_like(p0)
+        c_hi = np.full_like(p0, self.Nk - 1)
         if self.band.left is not None:
-            c_lo = np.maximum(c_lo, i0 + self.off - self.band.left)
+            c_lo = np.maximum(c_lo, p0 + self.off - self.band.left)
         if self.band.right is not None:
-            c_hi = np.minimum(c_hi, i1 - 1 + self.off + self.band.right)
+            c_hi = np.minimum(c_hi, p1 - 1 + self.off + self.band.right)
         return _to_tiles(c_lo, c_hi, self.Bc)
 
     def q_ranges(self):

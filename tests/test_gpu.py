@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import flashsim as fs
 from flashsim.precision import make_precision
 from flashsim.strategies import random_tensor
+from flashsim.testing import EPS, grad_magnitudes, s_condition, same_dtype_errors
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not fs.gpu.available(), reason="no CuPy or no CUDA device")]
@@ -26,7 +27,22 @@ except ImportError:
 DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if HAVE_TORCH else [])
 SEQS = (1, 7, 113, 128, 203, 1023)
 HEAD_DIMS = (1, 3, 16, 32, 40, 59, 64, 96, 111, 128, 160, 256)
-EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
+
+def same_dtype_error(q, k, v, dtype, causal, ref_out):
+    """[out error, …] of dense attention computed in `dtype` itself (flashsim.testing)."""
+    return same_dtype_errors(q, k, v, ref_out, io_dtype=dtype, causal=causal)
+
+
+def _same_dtype_grad_errors(q, k, v, dout, dtype, causal, ref):
+    """dq, dk, dv errors of the same-dtype dense backward (GQA groups summed)."""
+    out = fs.attention_reference(q, k, v, causal=causal)[0]
+    return list(same_dtype_errors(q, k, v, out, io_dtype=dtype, causal=causal, dout=dout,
+                                  ref_grads=ref)[1:])
+
+
+def _grad_magnitudes(q, k, v, o, dout, causal):
+    return grad_magnitudes(q, k, v, o, dout, causal=causal)
 
 
 @st.composite
@@ -86,26 +102,6 @@ def poisoned(monkeypatch):
         a.view(cp.uint8).fill(0xFF)
         return a
     monkeypatch.setattr(fs.gpu, "_empty", empty)
-
-
-def same_dtype_error(q, k, v, dtype, causal, ref_out, dout=None, ref_grads=None):
-    """Largest error of dense attention computed in `dtype` itself, per output."""
-    B, H = q.shape[:2]
-    g = H // k.shape[1]
-    errs = np.zeros(4)
-    for b in range(B):
-        for h in range(H):
-            res = fs.attention_same_dtype(q[b, h], k[b, h // g], v[b, h // g],
-                                          None if dout is None else dout[b, h],
-                                          io_dtype=dtype, causal=causal)
-            res = (res,) if dout is None else res
-            errs[0] = max(errs[0], np.abs(res[0] - ref_out[b, h]).max(initial=0))
-            if dout is not None:
-                for n, x in enumerate(res[1:]):
-                    ref = ref_grads[n]
-                    ref = ref[b, h] if n == 0 else ref[b, h]
-                    errs[n + 1] = max(errs[n + 1], np.abs(x - ref).max(initial=0))
-    return errs
 
 
 @given(gpu_problems())
@@ -176,16 +172,6 @@ def check_forward(q, k, v, dtype, causal, blocks, kernel):
     np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=2e-7, atol=4 * kappa32)
 
 
-def s_condition(q, k, dtype):
-    """eps(dtype)·√d·scale·max Σ|q||k|: the relative accuracy of exp(S − m) when S is
-    a dot product of length d summed in `dtype` (the √d of random rounding errors)."""
-    B, H, _, d = q.shape
-    hk = k.shape[1]
-    qa = np.abs(q).reshape(B, hk, H // hk, q.shape[2], d)
-    sabs = (qa @ np.swapaxes(np.abs(k), -1, -2)[:, :, None]).max(initial=0) / np.sqrt(d)
-    return EPS[dtype] * np.sqrt(d) * sabs
-
-
 @given(gpu_problems(max_seq=400), st.booleans())
 def test_backward_matches_simulator(poisoned, problem, deterministic):
     check_backward(*problem, kernel="ref", deterministic=deterministic)
@@ -236,56 +222,6 @@ def check_backward(q, k, v, dtype, causal, blocks, kernel, deterministic=False):
         # same-dtype baseline's own error
         err_k = np.abs(a - rk).max(initial=0)
         assert err_k <= errs[n] + floor, (name, err_k, errs[n])
-
-
-def _grad_magnitudes(q, k, v, o, dout, causal):
-    """max over elements of Σ|terms| for dq = scale·dS K, dk = scale·dSᵀ Q, dv = Pᵀ dO,
-    with |dS| bounded by P ∘ (|dO||V|ᵀ + rowsum|dO ∘ O|), from the float64 forward, and P
-    weighted by 1 + √d·scale·|q||k|ᵀ: a rounding of S moves P by that much relative."""
-    B, H = q.shape[:2]
-    g = H // k.shape[1]
-    scale = 1 / np.sqrt(q.shape[-1])
-    out = np.zeros(3)
-    for b in range(B):
-        for hk in range(k.shape[1]):
-            dk_m = dv_m = 0
-            for h in range(hk * g, (hk + 1) * g):
-                S = scale * q[b, h] @ k[b, hk].T
-                if causal:
-                    Nq, Nk = S.shape
-                    S = np.where(np.arange(Nk)[None] <= np.arange(Nq)[:, None] + Nk - Nq, S, -np.inf)
-                m = S.max(axis=-1, keepdims=True, initial=-np.inf)
-                E = np.exp(S - np.where(np.isfinite(m), m, 0))
-                P = E / np.maximum(E.sum(axis=-1, keepdims=True), 1e-300)
-                # P is only good to eps·√d·scale·Σ|q||k| relative (the exponent's rounding)
-                Pm = P * (1 + np.sqrt(q.shape[-1]) * scale * np.abs(q[b, h]) @ np.abs(k[b, hk]).T)
-                ds = Pm * (np.abs(dout[b, h]) @ np.abs(v[b, hk]).T
-                           + np.abs(dout[b, h] * o[b, h]).sum(axis=-1, keepdims=True))
-                out[0] = max(out[0], scale * (ds @ np.abs(k[b, hk])).max(initial=0))
-                dk_m = dk_m + scale * ds.T @ np.abs(q[b, h])
-                dv_m = dv_m + Pm.T @ np.abs(dout[b, h])
-            out[1] = max(out[1], np.max(dk_m, initial=0))
-            out[2] = max(out[2], np.max(dv_m, initial=0))
-    return out
-
-
-def _same_dtype_grad_errors(q, k, v, dout, dtype, causal, ref):
-    """Max error of the same-dtype dense backward, with dk, dv summed over GQA groups
-    like the kernels' results."""
-    B, H = q.shape[:2]
-    hk = k.shape[1]
-    g = H // hk
-    dq = np.zeros_like(q)
-    dk = np.zeros_like(k)
-    dv = np.zeros_like(v)
-    for b in range(B):
-        for h in range(H):
-            _, a, c, e = fs.attention_same_dtype(q[b, h], k[b, h // g], v[b, h // g],
-                                                 dout[b, h], io_dtype=dtype, causal=causal)
-            dq[b, h] = a
-            dk[b, h // g] += c
-            dv[b, h // g] += e
-    return [np.abs(x - r).max(initial=0) for x, r in zip((dq, dk, dv), ref)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
