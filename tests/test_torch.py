@@ -1,0 +1,113 @@
+"""flashsim.torch: the attention op in PyTorch — values and gradients against SDPA,
+torch.compile without graph breaks, torch.library.opcheck, flash_attn's interface — on
+the CPU (the reference path); the same ops run the kernels on CUDA tensors."""
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+fst = pytest.importorskip("flashsim.torch")
+
+
+def sdpa(q, k, v, causal):
+    """SDPA with GQA groups expanded and the bottom-right causal mask."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    mask = None
+    if causal:
+        Nq, Nk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_values_and_gradients_match_sdpa(causal, dtype, heads):
+    torch.manual_seed(0)
+    H, Hk = heads
+    q = torch.randn(2, H, 37, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, Hk, 45, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, Hk, 45, 24, dtype=dtype, requires_grad=True)
+    out = fst.attention(q, k, v, causal=causal)
+    ref = sdpa(q, k, v, causal)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    (ref * g).sum().backward()
+    for a, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, x.grad, rtol=10 * tol, atol=10 * tol)
+
+
+def test_compiles_without_graph_breaks():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 20, 8, requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        return fst.attention(q, k, v, causal=True).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(q, k, v)
+    torch.testing.assert_close(loss, step(q, k, v))
+    loss.backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_opcheck():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 9, 8), torch.randn(1, 1, 11, 8), torch.randn(1, 1, 11, 8)
+    torch.library.opcheck(fst.attention_fwd, (q, k, v, True, 0.3, False))
+    out, lse = fst.attention_fwd(q, k, v, True, 0.3, False)
+    torch.library.opcheck(fst.attention_bwd, (q, k, v, out, lse, torch.randn_like(out), True,
+                                              0.3, False))
+
+
+def test_no_grad_and_bfloat16():
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        out = fst.attention(q, k, v)
+    assert out.dtype == torch.bfloat16 and not out.requires_grad
+    torch.testing.assert_close(out.float(), sdpa(q.float(), k.float(), v.float(), False),
+                               rtol=1e-2, atol=1e-2)
+    out, lse = fst.attention_with_lse(q.float(), k.float(), v.float())
+    assert lse.shape == (1, 2, 16) and lse.dtype == torch.float32
+
+
+def test_flash_attn_interface():
+    torch.manual_seed(3)
+    q = torch.randn(2, 30, 4, 16)             # (batch, seqlen, heads, d)
+    k, v = torch.randn(2, 30, 2, 16), torch.randn(2, 30, 2, 16)
+    out = fst.flash_attn_func(q, k, v, causal=True, softmax_scale=0.2)
+    ref = fst.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                        scale=0.2).transpose(1, 2)
+    assert out.shape == (2, 30, 4, 16)
+    torch.testing.assert_close(out, ref)
+    for kw, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(window_size=(8, 0)), "window_size"),
+                     (dict(softcap=30.0), "softcap"), (dict(return_attn_probs=True),
+                                                       "return_attn_probs")):
+        with pytest.raises(fst.UnsupportedArgument, match=name):
+            fst.flash_attn_func(q, k, v, **kw)
+
+
+def test_bad_input():
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="4-D"):
+        fst.attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="must divide heads"):
+        fst.attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
+    with pytest.raises(TypeError, match="share a dtype"):
+        fst.attention(q, q.double(), q)
+    with pytest.raises(TypeError, match="causal must be"):
+        fst.attention(q, q, q, causal=1)
+
+
+def test_import_flashsim_does_not_import_torch():
+    code = "import sys, flashsim; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
