@@ -172,5 +172,49 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal:
     return out.transpose(1, 2)
 
 
+# -- Hugging Face transformers ----------------------------------------------------------
+
+def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                  scaling=None, is_causal=None, **kwargs):
+    """transformers' attention interface: query (B, H, N, d), key/value (B, Hk, Nk, d) →
+    (attn_output (B, N, H, d), None)."""
+    if attention_mask is not None:
+        raise UnsupportedArgument(
+            "flashsim's attention backend takes unpadded batches only (a padding mask needs "
+            "varlen kernels, not there yet): batch sequences of one length, or use "
+            "attn_implementation='sdpa' for padded ones")
+    if dropout and module.training:
+        raise UnsupportedArgument("flashsim's kernels do not support attention dropout yet; "
+                                  "set the model's attention_dropout to 0")
+    for name in ("softcap", "sliding_window"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedArgument(f"flashsim's kernels do not support {name} yet")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = attention(query, key, value, causal=bool(causal) and query.shape[2] > 1,
+                    scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+HF_NAME = "fsim"
+
+
+def register_hf(name: str = HF_NAME) -> str:
+    """Register ``name`` (default "fsim") with transformers' attention interface, and
+    sdpa's mask function with its mask interface (no mask for a causal unpadded batch), so
+    that ``from_pretrained(..., attn_implementation="fsim")`` or
+    ``model.set_attn_implementation("fsim")`` runs a model's attention here. Returns the
+    name. (transformers takes any implementation name containing "flash" for a request of
+    a FlashAttention kernel from its hub, so the name cannot be "flashsim".)"""
+    if "flash" in name:
+        raise ValueError(f"transformers loads any attention implementation whose name "
+                         f"contains 'flash' as a FlashAttention hub kernel; register under "
+                         f"another name than {name!r} (the default is {HF_NAME!r})")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(name, _hf_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
 __all__ = ["attention", "attention_with_lse", "flash_attn_func", "attention_fwd",
-           "attention_bwd", "UnsupportedArgument"]
+           "attention_bwd", "UnsupportedArgument", "register_hf", "HF_NAME"]

@@ -5,6 +5,7 @@ the CPU (the reference path); the same ops run the kernels on CUDA tensors."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -111,3 +112,53 @@ def test_bad_input():
 def test_import_flashsim_does_not_import_torch():
     code = "import sys, flashsim; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hugging_face_backend_matches_sdpa():
+    """A small random Llama-style model (GQA, causal) with attn_implementation="fsim"
+    gives SDPA's logits, gradients and greedy generations, trains the same, and refuses a
+    padding mask."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    name = fst.register_hf()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    ours = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).double()
+    ref = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).double()
+    ref.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(name)
+    ref.set_attn_implementation("sdpa")
+    assert ours.config._attn_implementation == name
+    ids = torch.randint(0, 97, (2, 40))
+    a, b = ours(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-10, atol=1e-12)
+    a.loss.backward()
+    b.loss.backward()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-12)
+    # a few training steps follow the same losses
+    losses = []
+    for model in (ours, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        run = []
+        for _ in range(10):
+            opt.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            run.append(loss.item())
+        losses.append(run)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-9)
+    assert losses[0][-1] < losses[0][0]
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert torch.equal(ours.generate(ids[:, :5], attention_mask=mask, max_new_tokens=4,
+                                     do_sample=False),
+                       ref.generate(ids[:, :5], attention_mask=mask, max_new_tokens=4,
+                                    do_sample=False))
+    padded = torch.tensor([[1] * 40, [0] * 5 + [1] * 35])
+    with pytest.raises(fst.UnsupportedArgument, match="unpadded batches"):
+        ours(ids, attention_mask=padded)
+    with pytest.raises(ValueError, match="contains 'flash'"):
+        fst.register_hf("flashsim")
