@@ -40,6 +40,7 @@ def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
             num_splits: int | None = None) -> Traffic:
     """Exact HBM bytes of ``algorithm`` from the closed forms in this module's docstring."""
     check_algorithm(algorithm)
+    _no_ring(algorithm)
     dv = d if dv is None else dv
     b, s = itemsize, STAT_BYTES
     if algorithm == "standard":
@@ -71,6 +72,13 @@ def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     return problems * t
 
 
+def _no_ring(algorithm: str) -> None:
+    if algorithm == "ring":
+        raise ValueError("ring attention's bytes depend on its ranks: fs.simulate(..., 'ring', "
+                         "world_size=...) counts them, flashsim.ring.ring_interconnect gives "
+                         "the links' closed form")
+
+
 def traffic_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
                      Br: int | None = None, Bc: int | None = None, causal: bool = False,
                      window=None, softcap: bool = False, itemsize: int = 2,
@@ -88,6 +96,7 @@ def traffic_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None
                 dQ: Nq·d, dK: Nk·d, dV: Nk·dv
     (element sizes b unless marked s = 4 bytes).
     """
+    _no_ring(algorithm)
     dv = d if dv is None else dv
     b, s = itemsize, STAT_BYTES
     if algorithm == "standard":

@@ -149,6 +149,12 @@ class _Packed:
                    slice(int(self.cu_k[b]), int(self.cu_k[b + 1])))
 
 
+def _no_ring(algorithm: str) -> None:
+    if algorithm == "ring":
+        raise ValueError("packed varlen batches run one sequence per problem; ring attention "
+                         "splits one sequence over ranks: use fs.simulate(..., 'ring')")
+
+
 def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes) -> _Packed:
     """The checks the forward and the backward share."""
     q = _packed("q", q, "total_q, heads, d")
@@ -200,6 +206,7 @@ def simulate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, algorithm: str = "flash
     applied to every sequence. Returns a `VarlenResult` (lse is (Hq, total_q)).
     """
     algorithm = check_algorithm(algorithm)
+    _no_ring(algorithm)
     p = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     q, Hq, dv = p.q, p.q.shape[1], p.v.shape[2]
     if io_dtype is None:
@@ -292,6 +299,7 @@ def count_varlen(algorithm: str, *, cu_seqlens_q, cu_seqlens_k, heads: int,
     """HBM traffic of a packed batch without arrays: the sum of `flashsim.count` over
     the sequences; equal to ``simulate_varlen(...).traffic`` for the same problem."""
     algorithm = check_algorithm(algorithm)
+    _no_ring(algorithm)
     return _count_sum(lambda **kw: count(algorithm, **kw), cu_seqlens_q, cu_seqlens_k,
                       heads, kv_heads, d=d, dv=dv, sram_bytes=sram_bytes,
                       block_sizes=block_sizes, causal=causal, io_dtype=io_dtype,

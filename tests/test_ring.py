@@ -110,3 +110,11 @@ def test_chunks_and_errors():
         fs.simulate(q, q, q, "ring", world_size=2, assignment="striped", block_sizes=(2, 2))
     with pytest.raises(ValueError, match="running its ranks"):
         fs.count("ring", Nq=8, Nk=8, d=4, block_sizes=(2, 2))
+    with pytest.raises(ValueError, match="running its ranks"):
+        fs.count_backward("ring", Nq=8, Nk=8, d=4, block_sizes=(2, 2))
+    for closed_form in (fs.theory.traffic, fs.theory.traffic_backward):
+        with pytest.raises(ValueError, match="depend on its ranks"):
+            closed_form("ring", Nq=8, Nk=8, d=4, Br=2, Bc=2)
+    with pytest.raises(ValueError, match="one sequence per problem"):
+        fs.count_varlen("ring", cu_seqlens_q=[0, 4], cu_seqlens_k=[0, 4], heads=1, d=4,
+                        block_sizes=(2, 2))
