@@ -11,8 +11,9 @@ for tracing) and `register_autograd`, so `loss.backward()`, `torch.compile`, aut
 op runs in the inputs' dtype; cast before calling under autocast) and `torch.no_grad()`
 behave as with `scaled_dot_product_attention`. On CUDA tensors the ops run
 `flashsim.gpu` (the fastest rung for the inputs, on the current stream); on CPU tensors
-they run the float64 dense reference (`flashsim.attention_reference` and its backward)
-and return the inputs' dtype, so models and tests run anywhere.
+they run the float64 dense reference (`flashsim.attention_reference`, and flash2's
+backward from the given out and lse) and return the inputs' dtype, so models and tests
+run anywhere.
 
 `flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, ...)` takes
 flash_attn's (batch, seqlen, heads, d) layout and argument names. The kernels read
@@ -82,10 +83,15 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         dq, dk, dv = gpu.attention_backward(*c, causal=causal, scale=scale,
                                             deterministic=deterministic)
         return dq, dk, dv
-    from .reference import attention_backward_reference
-    dq, dk, dv = attention_backward_reference(_to_numpy(q), _to_numpy(k), _to_numpy(v),
-                                              _to_numpy(dout), causal=causal, scale=scale)
-    return _from_numpy(dq, q), _from_numpy(dk, k), _from_numpy(dv, v)
+    # the given out and lse define P = exp(S − lse), as the kernels take them (a ring's
+    # partial pairs need the global lse, not their own softmax): flash2's backward in
+    # float64, in one tile
+    from .backward import simulate_backward
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    g = simulate_backward(_to_numpy(q), _to_numpy(k), _to_numpy(v), _to_numpy(out),
+                          _to_numpy(lse), _to_numpy(dout), "flash2", causal=causal, scale=scale,
+                          block_sizes=(max(Nq, 1), max(Nk, 1)))
+    return _from_numpy(g.dq, q), _from_numpy(g.dk, k), _from_numpy(g.dv, v)
 
 
 @attention_bwd.register_fake

@@ -43,8 +43,10 @@ def test_values_and_gradients_match_sdpa(causal, dtype, heads):
     for x in (q, k, v):
         x.grad = None
     (ref * g).sum().backward()
+    # the backward takes the forward's lse, stored in fp32 as the kernels store it, so the
+    # gradients carry fp32's precision whatever the inputs' type
     for a, x in zip(grads, (q, k, v)):
-        torch.testing.assert_close(a, x.grad, rtol=10 * tol, atol=10 * tol)
+        torch.testing.assert_close(a, x.grad, rtol=2e-6, atol=2e-6)
 
 
 def test_compiles_without_graph_breaks():
@@ -136,8 +138,9 @@ def test_hugging_face_backend_matches_sdpa():
     torch.testing.assert_close(a.logits, b.logits, rtol=1e-10, atol=1e-12)
     a.loss.backward()
     b.loss.backward()
+    # (the backward takes the fp32 lse, as the kernels store it: fp32's precision)
     for p, q in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     # a few training steps follow the same losses
     losses = []
     for model in (ours, ref):
@@ -150,7 +153,7 @@ def test_hugging_face_backend_matches_sdpa():
             opt.step()
             run.append(loss.item())
         losses.append(run)
-    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-9)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
     assert losses[0][-1] < losses[0][0]
     mask = torch.ones(2, 5, dtype=torch.long)
     assert torch.equal(ours.generate(ids[:, :5], attention_mask=mask, max_new_tokens=4,
