@@ -295,3 +295,15 @@ def test_l2_cliff(tmp_path):
         assert code == 0 and (tmp_path / "l2_cliff.png").read_bytes()[:8] == PNG_MAGIC
     else:
         assert code == 2
+
+
+def test_decode_time(tmp_path):
+    mod = load("decode_time")
+    code = mod.main(["--quick", "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / "decode_time.csv")))
+    assert len(rows) == 2 * 3 * 3 * len(mod.QUICK_LENGTHS)
+    for r in rows:
+        # every step reads at least the K/V cache; GQA packing reads it once per K/V head
+        assert int(r["bytes"]) >= int(r["kv_cache_bytes"])
+        assert float(r["predicted_s"]) >= float(r["floor_s"])
+    assert code == (0 if has_matplotlib() else 2)
