@@ -3,6 +3,7 @@
     flashsim                      built-in example: standard vs flash1 vs flash2
     flashsim simulate [...]       one algorithm on one problem (real math, or --no-math)
     flashsim sweep [...]          HBM traffic against SRAM size M (forward, or --backward)
+    flashsim bench [...]          the kernels timed beside PyTorch SDPA on this GPU
 
 Library errors (bad sizes, an SRAM too small for any tile, ...) are printed as
 ``flashsim: error: <message>`` with exit status 2, like argparse's own errors.
@@ -99,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "FlashAttention-1 and FlashAttention-2 on a two-level memory. "
                     "With no command, runs a built-in example (N = 2048, d = 64, "
                     "float16, SRAM 192 KiB).",
-        epilog="Run 'flashsim simulate --help', 'flashsim sweep --help' or "
-               "'flashsim kernels build --help' for each command.")
-    sub = p.add_subparsers(dest="command", metavar="{simulate,sweep,kernels}")
+        epilog="Run 'flashsim simulate --help', 'flashsim sweep --help', "
+               "'flashsim bench --help' or 'flashsim kernels build --help' for each command.")
+    sub = p.add_subparsers(dest="command", metavar="{simulate,sweep,kernels,bench}")
 
     s = sub.add_parser(
         "simulate", help="run one algorithm on one problem and count its HBM traffic",
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--plot", metavar="FILE",
                    help="write a log-log plot (needs matplotlib: pip install \"flashsim[analysis]\")")
     w.add_argument("--csv", metavar="FILE", help="write the numbers as CSV")
+    sub.add_parser("bench", add_help=False,
+                   help="time flashsim's kernels beside PyTorch SDPA's backends on this GPU "
+                        "(flashsim bench --help)")
     kp = sub.add_parser("kernels", help="the CUDA kernels: build them ahead of time",
                         description="Work with the CUDA kernels in kernels_cu/.")
     ksub = kp.add_subparsers(dest="kernels_command", metavar="{build}", required=True)
@@ -457,17 +461,6 @@ def _sram_sizes(lo: int, hi: int, points: int) -> list[int]:
     return sorted({int(round(x)) for x in sizes})
 
 
-def _progress(done: int, total: int, width: int = 30) -> None:
-    """A text progress bar on stderr: redrawn in place on a terminal, a line per
-    quarter otherwise (so logs stay readable)."""
-    if sys.stderr.isatty():
-        filled = width * done // total
-        print(f"\rsweep [{'#' * filled}{'.' * (width - filled)}] {done}/{total} SRAM sizes",
-              end="\n" if done == total else "", file=sys.stderr, flush=True)
-    elif done == total or (4 * done) // total != (4 * (done - 1)) // total:
-        print(f"sweep: {done}/{total} SRAM sizes", file=sys.stderr, flush=True)
-
-
 def run_sweep(args) -> int:
     N, d, b = args.seq, args.head_dim, itemsize_of(args.dtype)
     lo, hi = parse_size(args.min_size), parse_size(args.max_size)
@@ -483,10 +476,12 @@ def run_sweep(args) -> int:
     plt = _import_pyplot() if args.plot else None
 
     sizes = _sram_sizes(lo, hi, args.points)
-    progress = len(sizes) > 50
     rows = []  # (M, {alg: total or None}, {alg: (Br, Bc) or None})
     minimum = {}
-    for n, M in enumerate(sizes, 1):
+    from tqdm import tqdm
+    # a progress bar on stderr for long sweeps (tqdm: in place on a terminal, sparse in logs)
+    for M in tqdm(sizes, desc="sweep", unit="SRAM size", disable=len(sizes) <= 50,
+                  file=sys.stderr, mininterval=1.0):
         totals, blocks = {}, {}
         for a in algs:
             try:
@@ -502,8 +497,6 @@ def run_sweep(args) -> int:
                 totals[a], blocks[a] = None, None
                 minimum[a] = e.minimum_bytes
         rows.append((M, totals, blocks))
-        if progress:
-            _progress(n, len(sizes))
 
     print(f"flashsim sweep: {'backward' if args.backward else 'forward'} HBM traffic "
           "(reads + writes) against SRAM size M")
@@ -744,6 +737,10 @@ def run_hardware(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main     # its own options (flashsim bench --help)
+        return bench_main(argv[1:], prog=f"{PROG} bench")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

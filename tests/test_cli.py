@@ -1,11 +1,14 @@
 """The `flashsim` command line, run in-process through `flashsim.cli.main`."""
 
 import csv
+import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 import time
+
+from pathlib import Path
 
 import pytest
 
@@ -281,3 +284,26 @@ def test_simulate_ring(capsys):
     code, out, err = run(capsys, "simulate", "--algorithm", "ring", "--world-size", "3",
                          "--seq", "100")
     assert code == 2 and "pad the sequence" in err
+
+
+@pytest.mark.skipif(fs.gpu.available(), reason="a GPU is visible here")
+def test_bench_says_it_needs_a_gpu(capsys):
+    code, out, err = run(capsys, "bench", "--quick", "--ds", "64", "--causal", "yes")
+    assert code == 2 and "needs a CUDA GPU" in err and out == ""
+
+
+def test_bench_redraws_a_saved_run_and_checks_its_options(capsys, tmp_path):
+    import json
+    import shutil
+    saved = Path(__file__).resolve().parent.parent / "analysis" / "out" / "bench" / "bench.json"
+    copy = tmp_path / "bench.json"
+    shutil.copy(saved, copy)
+    code, out, err = run(capsys, "bench", "--plot-only", str(copy))
+    assert code in (0, None)
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(copy.read_text())["rows"]
+    with pytest.raises(SystemExit):
+        main(["bench", "--ds", "sixty-four"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--causal", "maybe"])

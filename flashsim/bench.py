@@ -1,0 +1,332 @@
+"""Side-by-side GPU timing of attention, forward and backward, in one process.
+
+    flashsim bench [--quick] [--ds 64,128] [--ns 2048,4096] [--dtypes float16] \
+                   [--causal both|yes|no] [--out bench] [--json]
+    python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
+
+Times, with CUDA events after warm-up (median of --reps, the implementations taking
+turns rep by rep, each timed call after ~10 ms of untimed calls of its own so that it
+does not inherit its neighbour's clocks), on inputs several times the L2 size:
+flashsim's kernels (`fs.gpu`: wg, the Hopper forward; tc; ref), a dense CuPy attention
+(matmul, softmax, matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
+efficient and math backends when PyTorch is present. Grid (each part can be chosen): float16 and
+bfloat16; d ∈ {64, 128}; N ∈ {512 … 16k} with batch·N = 16k tokens and heads = 2048/d;
+causal and not; a progress bar (tqdm) on stderr over the shapes. TFLOP/s by FlashAttention's convention: forward 4·B·H·N²·d (halved when
+causal), backward 2.5× that. Writes bench.md (table), bench.json (GPU, versions, date,
+every number) and bench.png (when matplotlib is there), and prints each flashsim
+kernel's ratio to SDPA-flash and to cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import numpy as np
+
+import flashsim as fs
+
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def flops(B, H, N, d, causal, backward=False):
+    f = 4 * B * H * N * N * d / (2 if causal else 1)
+    return f * (2.5 if backward else 1.0)
+
+
+def dense_cupy(cp, q, k, v, causal, scale):
+    """Unfused attention: S and P materialised (float16, fp32 softmax)."""
+    S = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32) * scale
+    if causal:
+        N = S.shape[-1]
+        S = cp.where(cp.tri(N, dtype=bool), S, -cp.inf)
+    S -= S.max(axis=-1, keepdims=True)
+    P = cp.exp(S)
+    P /= P.sum(axis=-1, keepdims=True)
+    return cp.matmul(P.astype(q.dtype), v)
+
+
+def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
+    """Milliseconds of each rep, per entry of ``fns`` ({key: (fn, context factory or
+    None)}), each timed with CUDA events around one call, the entries taking turns rep by
+    rep.
+
+    Each timed call comes after untimed calls of its own entry lasting ``settle_ms`` (at
+    least one) and a synchronize. A kernel's speed depends on what ran before it: an H100
+    near its power limit (SDPA's math backend, a dense matmul) runs the next kernels at
+    lower clocks for a while. Timed straight after another entry, a kernel was charged
+    with its neighbour's power: at d = 128, N = 2048, causal, the kernel that followed
+    SDPA-math's backward measured up to 23% slower than beside one other entry, and one
+    settling call (about 0.5 ms) was not enough (kernels_cu/NOTES.md, "Timing"). The timed
+    call itself starts on an idle stream, so its host-side launch cost still counts."""
+    import contextlib
+
+    def timed_call(fn, ctx, untimed):
+        """``untimed`` calls of fn, a synchronize, then one call timed alone (ms)."""
+        with (ctx() if ctx else contextlib.nullcontext()):
+            for _ in range(untimed):
+                fn()
+            cp.cuda.Device().synchronize()
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+        return cp.cuda.get_elapsed_time(start, stop)
+    # the warm-up's last call sizes each entry's settling calls
+    settle = {key: max(1, math.ceil(settle_ms / max(timed_call(fn, ctx, warmup), 1e-3)))
+              for key, (fn, ctx) in fns.items()}
+    times = {key: [] for key in fns}
+    for _ in range(reps):
+        for key, (fn, ctx) in fns.items():
+            times[key].append(timed_call(fn, ctx, settle[key]))
+    return times
+
+
+def _dtypes(text):
+    out = text.split(",")
+    bad = [x for x in out if x not in ("float16", "bfloat16")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: the benchmark's dtypes are float16 "
+                                         "and bfloat16")
+    return out
+
+
+def main(argv=None, default_out: str = "bench", prog: str | None = None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--settle-ms", type=float, default=10.0,
+                    help="untimed calls of the same implementation before each timed one, "
+                         "for about this long (at least one call)")
+    ap.add_argument("--dtypes", default=None, type=_dtypes,
+                    help="float16, bfloat16 or both, comma-separated (default: both)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the shapes already in OUT/bench.json (a run cut short) and "
+                         "time only the rest")
+    ap.add_argument("--out", default=default_out, help=f"output folder (default: {default_out})")
+    ap.add_argument("--ds", default="64,128", help="head dims, comma-separated (default: 64,128)")
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                    help="time with the causal mask, without, or both (default)")
+    ap.add_argument("--json", action="store_true",
+                    help="print every timed row as JSON on stdout at the end")
+    ap.add_argument("--kernels", default="wg,tc,ref",
+                    help="flashsim kernels to time, comma-separated: wg (Hopper forward; "
+                         "skipped on other GPUs), tc, ref")
+    ap.add_argument("--plot-only", metavar="BENCH_JSON", default=None,
+                    help="redraw bench.png from a saved bench.json (no GPU needed)")
+    ap.add_argument("--ref-max-n", type=int, default=1024,
+                    help="time the reference kernels (about 1 TFLOP/s) only up to this N")
+    ap.add_argument("--ns", default=None, help="sequence lengths N to time, comma-separated "
+                    "(default: 512 to 16384)")
+    ap.add_argument("--only", default=None, help="implementations to time, comma-separated "
+                    "(default: all)")
+    a = ap.parse_args(argv)
+    if a.plot_only:
+        data = json.load(open(a.plot_only))
+        return plot(data["rows"], data["meta"], os.path.splitext(a.plot_only)[0] + ".png")
+    try:
+        ds = [int(x) for x in a.ds.split(",")]
+    except ValueError:
+        ap.error(f"--ds takes head dims such as 64,128; got {a.ds!r}")
+    if not fs.gpu.available():
+        print("flashsim bench needs a CUDA GPU and CuPy (pip install \"flashsim[cuda12]\" or "
+              "\"flashsim[cuda13]\"); --plot-only redraws a saved bench.json without one",
+              file=sys.stderr)
+        return 2
+    import cupy as cp
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        have_torch = torch.cuda.is_available()
+    except ImportError:
+        have_torch = False
+    os.makedirs(a.out, exist_ok=True)
+    only = set(a.only.split(",")) if a.only else None
+
+    def want(name):
+        return only is None or name in only
+    dev = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
+    Ns = [1024, 4096, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    if a.ns:
+        Ns = [int(x) for x in a.ns.split(",")]
+    dtypes = ["float16"] if a.quick else ["float16", "bfloat16"]
+    if a.dtypes:
+        dtypes = a.dtypes
+    rows = []
+    meta = {"gpu": gpu, "date": datetime.date.today().isoformat(),
+            "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
+            "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
+            "timing": f"CUDA events, median of {a.reps} after 3 warm-ups, implementations "
+                      f"interleaved, each timed call after {a.settle_ms:g} ms of untimed calls "
+                      f"of its own"}
+    json_path = os.path.join(a.out, "bench.json")
+    if a.resume and os.path.exists(json_path):
+        rows = json.load(open(json_path))["rows"]
+    done = {(r["dtype"], r["d"], r["N"], r["causal"]) for r in rows}
+
+    def save():      # after every shape, so that a run cut short keeps what it timed
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    rng = np.random.default_rng(0)
+    backends = {}
+    if have_torch:
+        backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}
+    from tqdm import tqdm
+    masks = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
+    shapes = [(dtype, d, N, causal) for dtype in dtypes for d in ds for N in Ns
+              for causal in masks if (dtype, d, N, causal) not in done]
+    for dtype, d, N, causal in tqdm(shapes, desc="bench", unit="shape", file=sys.stderr):
+        H = HIDDEN // d
+        B = TOKENS // N
+        scale = 1 / math.sqrt(d)
+        tdt = getattr(torch, dtype) if have_torch else None
+        if have_torch:
+            q, k, v, do = (torch.randn(B, H, N, d, device="cuda", dtype=tdt)
+                           for _ in range(4))
+        else:
+            q, k, v, do = (cp.asarray(rng.standard_normal((B, H, N, d)).astype(dtype))
+                           for _ in range(4))
+        ff, fb = flops(B, H, N, d, causal), flops(B, H, N, d, causal, True)
+        cfg = dict(dtype=dtype, d=d, N=N, B=B, H=H, causal=causal)
+
+        def add(name, fwd_reps, bwd_reps):
+            fwd_ms = float(np.median(fwd_reps))
+            bwd_ms = float(np.median(bwd_reps)) if bwd_reps else None
+            rows.append({**cfg, "impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                         "fwd_ms_reps": [round(t, 5) for t in fwd_reps],
+                         "bwd_ms_reps": [round(t, 5) for t in bwd_reps or ()],
+                         "fwd_tflops": ff / fwd_ms / 1e9 if fwd_ms else None,
+                         "bwd_tflops": fb / bwd_ms / 1e9 if bwd_ms else None})
+            # each result as it comes, above the progress bar (stdout stays for the table
+            # or the JSON)
+            tqdm.write(f"{dtype} d={d} N={N} causal={causal} {name}: "
+                       f"fwd {fwd_ms and round(ff / fwd_ms / 1e9, 1)} TF/s, "
+                       f"bwd {bwd_ms and round(fb / bwd_ms / 1e9, 1)} TF/s", file=sys.stderr)
+
+        # every implementation's forward and backward, timed interleaved: rep r
+        # of each before rep r + 1 of any, so a slow spell of the GPU (clocks,
+        # a neighbour) lands on all of them alike and the ratios stay fair
+        fns = {}     # (name, "fwd"|"bwd") -> (fn, context factory or None)
+        for kern in a.kernels.split(","):
+            if not want(f"flashsim-{kern}") or (kern == "ref" and N > a.ref_max_n):
+                continue
+            try:
+                out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kern)
+            except ValueError as e:    # wg off Hopper
+                tqdm.write(f"  flashsim-{kern}: {str(e)[:80]}", file=sys.stderr)
+                continue
+            fns[f"flashsim-{kern}", "fwd"] = (
+                lambda kern=kern: fs.gpu.attention(q, k, v, causal=causal,
+                                                   kernel=kern), None)
+            if kern == "wg":           # a forward only ("auto" runs tc's backward)
+                continue
+            fns[f"flashsim-{kern}", "bwd"] = (
+                lambda kern=kern, out=out, lse=lse: fs.gpu.attention_backward(
+                    q, k, v, out, lse, do, causal=causal, kernel=kern), None)
+        if want("dense-cupy") and dtype == "float16" and B * H * N * N * 4 <= 8 * 2**30:
+            qc, kc, vc = (cp.from_dlpack(x) if have_torch else x for x in (q, k, v))
+            fns["dense-cupy", "fwd"] = (
+                lambda qc=qc, kc=kc, vc=vc: dense_cupy(cp, qc, kc, vc, causal, scale),
+                None)
+        for name, be in backends.items():
+            if not want(name):
+                continue
+            if name == "sdpa-math" and B * H * N * N * 4 > 8 * 2**30:
+                continue
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            try:
+                with sdpa_kernel(be):
+                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+            except RuntimeError as e:   # backend not available for this shape
+                tqdm.write(f"  {name}: {str(e).splitlines()[0][:80]}", file=sys.stderr)
+                continue
+            # the backend is chosen outside the timed span, as a caller would
+            # choose it once
+            ctx = (lambda be=be: sdpa_kernel(be))
+            fns[name, "fwd"] = (lambda qg=qg, kg=kg, vg=vg: F.scaled_dot_product_attention(
+                qg, kg, vg, is_causal=causal), ctx)
+            fns[name, "bwd"] = (lambda o=o, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
+                o, (qg, kg, vg), do, retain_graph=True), ctx)
+        reps = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms)
+        for name in dict.fromkeys(n for n, _ in fns):
+            add(name, reps[name, "fwd"], reps.get((name, "bwd")))
+        del fns
+        del q, k, v, do
+        save()
+    save()
+    md = [f"# Attention, forward and backward TFLOP/s — {gpu}, {meta['date']}", "",
+          f"batch·N = {TOKENS} tokens, heads = {HIDDEN}/d; {meta['timing']}; "
+          f"CuPy {meta['cupy']}, PyTorch {meta['torch']}.", "",
+          "| dtype | d | N | causal | impl | fwd TF/s | bwd TF/s | fwd vs flash | fwd vs cuDNN "
+          "| bwd vs flash | bwd vs cuDNN |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref = {(r["dtype"], r["d"], r["N"], r["causal"], r["impl"]): r for r in rows}
+    for r in rows:
+        key = (r["dtype"], r["d"], r["N"], r["causal"])
+        fl, cu = ref.get(key + ("sdpa-flash",)), ref.get(key + ("sdpa-cudnn",))
+
+        def ratio(x, y, field):
+            return f"{x[field] / y[field]:.2f}" if x.get(field) and y and y.get(field) else ""
+        md.append(f"| {r['dtype']} | {r['d']} | {r['N']} | {r['causal']} | {r['impl']} | "
+                  f"{r['fwd_tflops'] or 0:.1f} | "
+                  f"{'' if r['bwd_tflops'] is None else format(r['bwd_tflops'], '.1f')} | "
+                  f"{ratio(r, fl, 'fwd_tflops')} | {ratio(r, cu, 'fwd_tflops')} | "
+                  f"{ratio(r, fl, 'bwd_tflops')} | {ratio(r, cu, 'bwd_tflops')} |")
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    if a.json:
+        print(json.dumps({"meta": meta, "rows": rows}))
+    else:
+        print("\n".join(md[-len(rows):]) if len(rows) < 60 else f"{len(rows)} rows written")
+    plot(rows, meta, os.path.join(a.out, "bench.png"))
+
+
+def plot(rows, meta, path):
+    """Forward and backward TFLOP/s against N, one panel per (d, causal), float16."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('no plot: pip install "flashsim[analysis]"')
+        return 2
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    impls = sorted({r["impl"] for r in rows})
+    for col, (d, causal) in enumerate([(64, False), (64, True), (128, False), (128, True)]):
+        for row, key in enumerate(("fwd_tflops", "bwd_tflops")):
+            ax = axes[row, col]
+            for n, impl in enumerate(impls):
+                pts = sorted((r["N"], r[key]) for r in rows if r["impl"] == impl and r["d"] == d
+                             and r["causal"] == causal and r["dtype"] == "float16" and r.get(key))
+                if pts:
+                    ax.plot(*zip(*pts), "o-", color=f"C{n}", label=impl, ms=3)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{'forward' if row == 0 else 'backward'}, d = {d}, "
+                         f"{'causal' if causal else 'non-causal'}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("TFLOP/s")
+            if row == 1:
+                ax.set_xlabel("N (batch·N = 16k tokens)")
+    if axes[0, 0].get_legend_handles_labels()[0]:      # no float16 rows: nothing drawn
+        axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"Attention TFLOP/s, float16 — {meta['gpu']}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
