@@ -1,0 +1,71 @@
+"""flashsim.torch on CUDA tensors: the kernels through the custom ops — values and
+gradients by FlashAttention's rule against the float64 oracle, SDPA beside them,
+torch.compile and opcheck on the device. Marked `gpu`; skipped without a CUDA device.
+
+    python3 -m pytest -m gpu tests/test_torch_gpu.py
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import flashsim as fs  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() and fs.gpu.available()),
+                                 reason="no CUDA device, or no CuPy")]
+
+
+def tensors(B, H, Hk, Nq, Nk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, d, generator=g).to("cuda", dtype)
+    k = torch.randn(B, Hk, Nk, d, generator=g).to("cuda", dtype)
+    v = torch.randn(B, Hk, Nk, d, generator=g).to("cuda", dtype)
+    return q, k, v
+
+
+def host(x):
+    return x.detach().float().cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_and_gradients_by_the_rule(dtype, d, causal):
+    import flashsim.torch as fst
+    from flashsim.testing import assert_attention_close
+    q, k, v = tensors(2, 8, 2, 333, 517, d, getattr(torch, dtype))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = fst.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert_attention_close(host(out), host(q), host(k), host(v), causal=causal,
+                           io_dtype=dtype, dout=host(dout),
+                           grads=(host(q.grad), host(k.grad), host(v.grad)))
+
+
+def test_compile_and_opcheck_on_the_device():
+    import flashsim.torch as fst
+    q, k, v = tensors(1, 4, 4, 256, 256, 64, torch.float16, seed=1)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def step(q, k, v):
+        return fst.attention(q, k, v, causal=True).float().square().mean()
+
+    loss = torch.compile(step, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(loss, step(q, k, v), rtol=1e-3, atol=1e-3)
+    loss.backward()
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    torch.library.opcheck(fst.attention_fwd, (qd, kd, vd, True, 0.125, False))
+    out, lse = fst.attention_fwd(qd, kd, vd, True, 0.125, False)
+    torch.library.opcheck(fst.attention_bwd, (qd, kd, vd, out, lse, torch.randn_like(out),
+                                              True, 0.125, False))
+
+
+def test_flash_attn_layout_on_the_device():
+    import flashsim.torch as fst
+    q, k, v = tensors(2, 4, 4, 128, 128, 128, torch.bfloat16, seed=2)
+    a = fst.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            causal=True).transpose(1, 2)
+    b = fst.attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(host(a), host(b))
