@@ -32,7 +32,7 @@ bytes from the launch:
    data for memory accesses from SMs in the GPCs directly connected to the partition").
    Slot k of the dispatch is on SM k mod SMs, and SM s is wired to partition s mod
    partitions. Entries are whole tiles: the tile of one problem's rows that a CTA moves at
-   once (Q_i; K_j with V_j; Q_i, dO_i, L_i, D_i), which are always accessed together. A
+   once (Q_i; K_j with V_j; Q_i, dO_i, L_i, D_i; dQacc_i), always accessed together. A
    read misses to DRAM when its home partition lacks the bytes; an evicted entry that was
    written is written back to DRAM. Writes still in L2 when the kernel ends reach DRAM
    after it (``writeback``): Nsight Compute counts only what moves during the launch,
