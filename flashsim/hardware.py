@@ -121,7 +121,9 @@ class GPU:
         partitions of (lo, hi) spread evenly (the midpoints of its quarters). A buffer
         that every SM reads takes room in every partition, so the average re-reads such
         a buffer read twice in the fraction that rises linearly from 0 at lo to 1 at hi,
-        as the broadcast probe measures."""
+        as the broadcast probe measures. (The H100's fitted range puts up to 31.25 MB in
+        each of its two partitions, more than half its nominal 50 MiB: a broadcast buffer
+        is kept a little better than strict halves would allow.)"""
         if self.l2_retention is None:
             return (self.l2_bytes,)
         lo, hi = self.l2_retention

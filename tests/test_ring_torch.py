@@ -14,18 +14,22 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 
+def problem(W, heads):
+    """The same float64 q, k, v, dout (full sequence) in every process and in the test."""
+    torch.manual_seed(0)
+    H, Hk = heads
+    N = 24 * W
+    q, dout = (torch.randn(2, H, N, 8, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, Hk, N, 8, dtype=torch.float64) for _ in range(2))
+    return q, k, v, dout
+
+
 def worker(rank, W, path, assignment, causal, heads):
     import flashsim.ring_torch as fr
     dist.init_process_group("gloo", init_method=f"file://{path}.store", rank=rank,
                             world_size=W)
     try:
-        torch.manual_seed(0)
-        H, Hk = heads
-        N = 24 * W
-        q, dout = torch.randn(2, H, N, 8, dtype=torch.float64), torch.randn(2, H, N, 8,
-                                                                           dtype=torch.float64)
-        k, v = torch.randn(2, Hk, N, 8, dtype=torch.float64), torch.randn(2, Hk, N, 8,
-                                                                         dtype=torch.float64)
+        q, k, v, dout = problem(W, heads)
         ql, kl, vl, dl = fr.local_slices(q, k, v, dout, assignment=assignment)
         ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
         stats = {}
@@ -48,13 +52,8 @@ def test_ring_over_processes_equals_one_process(W, assignment, causal, heads):
         path = os.path.join(tmp, "ring")
         mp.spawn(worker, args=(W, path, assignment, causal, heads), nprocs=W, join=True)
         parts = [torch.load(f"{path}.{r}") for r in range(W)]
-    torch.manual_seed(0)
-    H, Hk = heads
-    N = 24 * W
-    q, dout = torch.randn(2, H, N, 8, dtype=torch.float64), torch.randn(2, H, N, 8,
-                                                                       dtype=torch.float64)
-    k, v = torch.randn(2, Hk, N, 8, dtype=torch.float64), torch.randn(2, Hk, N, 8,
-                                                                     dtype=torch.float64)
+    Hk, N = heads[1], 24 * W
+    q, k, v, dout = problem(W, heads)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     ref = fst.attention(q, k, v, causal=causal)
     (ref * dout).sum().backward()
