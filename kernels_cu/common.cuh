@@ -79,6 +79,7 @@ struct Band {
 // of visiting tiles before it in that order), adds, and passes the turn on. CTAs start
 // in increasing blockIdx.x, and each kernel maps blockIdx.x to j so that the tile a CTA
 // waits for has the lower blockIdx.x: it is running or done.
+#ifndef FLASHSIM_HOST
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
     if (threadIdx.x == 0) {
         int v;
@@ -93,9 +94,26 @@ __device__ __forceinline__ void pass_turn(int* turn, int mine) {
     if (threadIdx.x == 0)
         asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(turn), "r"(mine + 1) : "memory");
 }
+#else
+// The emulator (host_emu.h) runs blocks one at a time in blockIdx order, so the tile a
+// block waits for has finished, or the kernel's order of j contradicts its blockIdx
+// order: that would hang a GPU, and is reported here instead.
+inline void wait_turn(const int* turn, int mine) {
+    if (threadIdx.x == 0 && *turn != mine)
+        emu::fail("deterministic backward: block (" + std::to_string(blockIdx.x) + ", " +
+                  std::to_string(blockIdx.y) + ") waits for turn " + std::to_string(mine) +
+                  " but the counter says " + std::to_string(*turn) +
+                  ": a block it waits for comes later in blockIdx order");
+    __syncthreads();
+}
+inline void pass_turn(int* turn, int mine) {
+    __syncthreads();
+    if (threadIdx.x == 0) *turn = mine + 1;
+}
+#endif
 
 // -- I/O counters (instrumented build only) --------------------------------------------
-// One counter per (tensor, direction). flashsim/gpu.py reads this enum to name them, so
+// One counter per (tensor, direction). flashsim.gpu reads this enum to name them, so
 // keep the IO_<tensor>_<R|W> spelling.
 enum IoCounter {
     IO_Q_R, IO_K_R, IO_V_R, IO_O_R, IO_O_W, IO_L_R, IO_L_W,
@@ -108,11 +126,15 @@ enum IoCounter {
 #ifdef FLASHSIM_COUNT_IO
 // threadIdx.x is read through volatile asm so that the test is made where the count is,
 // not hoisted into a register held across a kernel's main loop
+#ifndef FLASHSIM_HOST
 __device__ __forceinline__ bool count_thread() {
     unsigned t;
     asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
     return t == 0;
 }
+#else
+inline bool count_thread() { return threadIdx.x == 0; }
+#endif
 #define COUNT_IO(io, which, bytes)                                                     \
     do {                                                                               \
         if (count_thread())                                                            \

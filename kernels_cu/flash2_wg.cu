@@ -23,7 +23,7 @@
 //                        - loads as in flash2_tc.cu (16-byte cp.async, K and V
 //                          double-buffered), one step ahead: K_{j+1} and V_j stream in
 //                          behind step j.
-// Needs sm_90a (flashsim/gpu.py compiles it with NVRTC for that target on a 9.0 device).
+// Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
 #include "tensor_core.cuh"
@@ -386,7 +386,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
     }
 #else
-    // built for a target without wgmma: flashsim/gpu.py launches this kernel only on sm_90a
+    // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();
 #endif
 }

@@ -73,15 +73,23 @@ def gpu_problems(draw, max_seq=1023, head_dims=HEAD_DIMS, dtypes=None, any_block
 
 
 def dev(x, dtype):
+    """x on the device in `dtype`: bfloat16 as a PyTorch tensor (on the CPU when
+    emulated: tests/test_emulate.py runs these checks there), else CuPy (NumPy)."""
     if dtype == "bfloat16":
-        return torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+        import torch
+        t = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+        return t if fs.gpu.is_emulated() else t.cuda()
+    if fs.gpu.is_emulated():
+        return x.astype(dtype)
     import cupy as cp
     return cp.asarray(x.astype(dtype))
 
 
 def host(x):
-    if HAVE_TORCH and isinstance(x, torch.Tensor):
+    if type(x).__module__.split(".")[0] == "torch":
         return x.float().cpu().numpy().astype(np.float64)
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
     import cupy as cp
     return cp.asnumpy(x).astype(np.float64)
 
@@ -94,14 +102,13 @@ def fits(blocks, shape_d, shape_dv, dtype, backward=False):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output buffer starts as NaN (all-ones bits), so an unwritten element shows."""
-    import cupy as cp
-    real = fs.gpu._empty
+    real = fs.gpu._arrays.empty
 
     def empty(_cp, shape, dtype, *args, **kw):
         a = real(_cp, shape, dtype, *args, **kw)
-        a.view(cp.uint8).fill(0xFF)
+        a.view(np.uint8).fill(0xFF)
         return a
-    monkeypatch.setattr(fs.gpu, "_empty", empty)
+    monkeypatch.setattr(fs.gpu._arrays, "empty", empty)
 
 
 @given(gpu_problems())
@@ -323,7 +330,7 @@ def test_torch_fast_path_equals_the_general_path(causal, dtype, d):
     o1, l1 = fs.gpu.attention(q, k, v, causal=causal)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, None, q.device.index,
            "auto")
-    assert fs.gpu._PLANS.get(key), "the fast path did not run"
+    assert fs.gpu.flash2._PLANS.get(key), "the fast path did not run"
     o2, l2, _ = fs.gpu.attention(q, k, v, causal=causal, count_io=True)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -348,7 +355,7 @@ def test_torch_fast_backward_equals_the_general_path(monkeypatch, causal, dtype,
     def general(*a, **kw):
         raise AssertionError("the fast path did not run")
     with monkeypatch.context() as m:
-        m.setattr(fs.gpu, "_attention_backward", general)
+        m.setattr(fs.gpu.flash2, "_attention_backward", general)
         fast = fs.gpu.attention_backward(q, k, v, o, lse, do, causal=causal)
     slow = fs.gpu.attention_backward(q, k, v, o, lse, do, causal=causal, count_io=True)[:3]
     assert torch.equal(fast[1], slow[1]) and torch.equal(fast[2], slow[2])
@@ -455,21 +462,21 @@ def test_the_sm90a_build_is_cached_on_disk(monkeypatch, tmp_path):
     """NVRTC's sm_90a cubin is kept under CUPY_CACHE_DIR and read back by a new process
     (here: a cleared in-memory cache, and a compiler that must not be called)."""
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    fs.gpu._module.cache_clear()
-    fs.gpu._kernel_on.cache_clear()
+    fs.gpu._device.module.cache_clear()
+    fs.gpu._device.kernel_on.cache_clear()
     try:
-        fs.gpu._kernel("flash2_fwd_wg", "float16", True, 64)
+        fs.gpu._device.kernel("flash2_fwd_wg", "float16", True, 64)
         assert len(list(tmp_path.glob("flashsim_flash2_wg_*.cubin"))) == 1
-        fs.gpu._module.cache_clear()
-        fs.gpu._kernel_on.cache_clear()
+        fs.gpu._device.module.cache_clear()
+        fs.gpu._device.kernel_on.cache_clear()
 
         def no_compile(*a):
             raise AssertionError("compiled again")
-        monkeypatch.setattr(fs.gpu._ArchModule, "_compile", staticmethod(no_compile))
-        fs.gpu._kernel("flash2_fwd_wg", "float16", True, 64)
+        monkeypatch.setattr(fs.gpu._device.ArchModule, "_compile", staticmethod(no_compile))
+        fs.gpu._device.kernel("flash2_fwd_wg", "float16", True, 64)
     finally:
-        fs.gpu._module.cache_clear()
-        fs.gpu._kernel_on.cache_clear()
+        fs.gpu._device.module.cache_clear()
+        fs.gpu._device.kernel_on.cache_clear()
 
 
 @pytest.mark.parametrize("Nq, Nk, d", ODD)
@@ -511,7 +518,7 @@ def test_tiles_that_do_not_fit_fall_back_to_the_reference(monkeypatch, torch_in)
     and kernel="tc" says why it cannot run."""
     if torch_in and not HAVE_TORCH:
         pytest.skip("PyTorch with CUDA not installed")
-    monkeypatch.setattr(fs.gpu, "_smem_limit_on", lambda device: 64 * 1024)
+    monkeypatch.setattr(fs.gpu._device, "smem_limit_on", lambda device: 64 * 1024)
     rng = np.random.default_rng(12)
     shapes = [(1, 2, 97 + torch_in, 128)] * 4      # a shape no other test has planned
     q, k, v, dout = (rng.standard_normal(s).astype(np.float16) for s in shapes)

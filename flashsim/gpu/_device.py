@@ -1,0 +1,277 @@
+"""The device behind flashsim.gpu: CuPy and the CUDA device, or the CPU emulation
+(`emulated`); kernel builds and their caches; launches and I/O counters.
+
+The only module of flashsim that imports CuPy, and only when a function here is called."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .. import kernels as K
+from ..traffic import Traffic
+
+THREADS = K.REF_THREADS
+GRID_Y_MAX = 65535
+
+INSTALL_HINT = ('pip install "flashsim[cuda12]" (CUDA 12) or "flashsim[cuda13]" (CUDA 13)')
+
+
+class GPUUnavailableError(RuntimeError):
+    """CuPy is not installed, or no CUDA device is visible."""
+
+
+_EMULATED = [os.environ.get("FLASHSIM_EMULATE", "0") not in ("", "0")]
+
+
+def is_emulated() -> bool:
+    """True while flashsim.gpu runs on the CPU emulation (see `emulated`)."""
+    return _EMULATED[0]
+
+
+@contextlib.contextmanager
+def emulated(enabled: bool = True):
+    """Run flashsim.gpu on the CPU inside this block: the reference rung's CUDA source,
+    compiled by the host's C++ compiler, launched with the same grids, arguments and
+    shared memory, on NumPy arrays (or PyTorch CPU tensors). Outputs and ``count_io``
+    byte counts are the kernels' own, so they can be checked against the simulator with
+    no GPU; speed is not a GPU's. ``FLASHSIM_EMULATE=1`` in the environment turns it on
+    for the whole process.
+
+        with fs.gpu.emulated():
+            out, lse, traffic = fs.gpu.attention(q, k, v, count_io=True)
+    """
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    before = _EMULATED[0]
+    _EMULATED[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _EMULATED[0] = before
+
+
+def pointer(a) -> int:
+    """The address of a device array's first element (CuPy, or NumPy when emulated)."""
+    data = a.data
+    return data.ptr if hasattr(data, "ptr") else a.ctypes.data
+
+
+def cupy():
+    """CuPy, or the emulation's NumPy stand-in inside `emulated`."""
+    if _EMULATED[0]:
+        from . import _emulate
+        return _emulate.NUMPY_DEVICE
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise GPUUnavailableError(f"flashsim.gpu needs CuPy: {INSTALL_HINT} ({e})") from None
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # the driver or runtime is missing
+        raise GPUUnavailableError(f"no CUDA device is visible ({e})") from None
+    if n == 0:
+        raise GPUUnavailableError("no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+    return cp
+
+
+def available() -> bool:
+    """True if CuPy imports and a CUDA device is visible (inside `emulated`: if the host
+    can build the kernels)."""
+    if _EMULATED[0]:
+        from . import _emulate
+        return _emulate.unavailable_reason() is None
+    try:
+        cupy()
+        return True
+    except GPUUnavailableError:
+        return False
+
+
+def compile_options(count_io: bool) -> tuple[str, ...]:
+    """NVRTC options (CuPy adds the current device's architecture, -arch=sm_XY)."""
+    opts = ("--std=c++17", f"-I{K.kernel_dir()}")
+    cp = cupy()
+    cuda_path = cp.cuda.get_cuda_path()
+    if cuda_path:
+        opts += (f"-I{cuda_path}/include",)
+    return opts + (("-DFLASHSIM_COUNT_IO",) if count_io else ())
+
+
+def headers_digest() -> str:
+    """A digest of kernels_cu/*.cuh. CuPy keys its on-disk kernel cache by the source text
+    it is given, not by the headers that text includes, so the source carries this."""
+    text = "".join(p.read_text() for p in sorted(K.kernel_dir().glob("*.cuh")))
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+@functools.lru_cache(maxsize=None)
+def module(source: str, count_io: bool, device: int):
+    cp = cupy()
+    code = (K.kernel_dir() / source).read_text() + f"\n// headers: {headers_digest()}\n"
+    if source in K.ARCH_SPECIFIC:
+        if is_emulated():
+            raise GPUUnavailableError(f"{source} ({K.ARCH_SPECIFIC[source]}) is not emulated: "
+                                      "the CPU emulation runs the reference rung")
+        return ArchModule(source, code, count_io)
+    return cp.RawModule(code=code, options=compile_options(count_io),
+                        name_expressions=K.name_expressions(source))
+
+
+class ArchModule:
+    """A source built by NVRTC for its arch-specific target (K.ARCH_SPECIFIC: sm_90a for
+    wgmma), which CuPy's RawModule, naming the plain target itself, cannot ask for. The
+    cubin and the kernels' mangled names are cached on disk beside CuPy's own kernels,
+    keyed by everything the build depends on."""
+
+    def __init__(self, source: str, code: str, count_io: bool):
+        cp = cupy()
+        from cupy_backends.cuda.libs import nvrtc
+        exprs = K.name_expressions(source)
+        opts = compile_options(count_io) + (f"-arch={K.ARCH_SPECIFIC[source]}",)
+        # code ends with the headers' digest (module)
+        key = hashlib.sha256("\0".join((code, *opts, *exprs, str(nvrtc.getVersion())))
+                             .encode()).hexdigest()[:40]
+        cache = Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+        path = cache / f"flashsim_{Path(source).stem}_{key}"
+        try:
+            cubin = path.with_suffix(".cubin").read_bytes()
+            names = json.loads(path.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            cubin, names = self._compile(nvrtc, source, code, opts, exprs)
+            try:   # written whole, then renamed: a concurrent reader sees all or nothing
+                cache.mkdir(parents=True, exist_ok=True)
+                for suffix, data in ((".cubin", cubin), (".json", json.dumps(names).encode())):
+                    fd, tmp = tempfile.mkstemp(dir=cache)
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path.with_suffix(suffix))
+            except OSError:
+                pass                                    # no cache: compile again next time
+        self.names = names
+        self.module = cp.cuda.function.Module()
+        self.module.load(cubin)
+
+    @staticmethod
+    def _compile(nvrtc, source, code, opts, exprs):
+        prog = nvrtc.createProgram(code, source, [], [])
+        try:
+            for e in exprs:
+                nvrtc.addNameExpression(prog, e)
+            try:
+                nvrtc.compileProgram(prog, list(opts))
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"NVRTC failed on {source} ({' '.join(opts)}):\n"
+                                   f"{nvrtc.getProgramLog(prog)}") from e
+            return bytes(nvrtc.getCUBIN(prog)), {e: nvrtc.getLoweredName(prog, e) for e in exprs}
+        finally:
+            nvrtc.destroyProgram(prog)
+
+    def get_function(self, expr: str) -> "ArchKernel":
+        return ArchKernel(self.module.get_function(self.names[expr]))
+
+
+class ArchKernel:
+    """A driver function with what the launchers use of a CuPy RawKernel: ``.kernel``,
+    ``max_dynamic_shared_size_bytes`` and a call on the current stream."""
+
+    def __init__(self, fn):
+        self.kernel = fn
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        drv = cupy().cuda.driver
+        return drv.funcGetAttribute(drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    self.kernel.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n: int):
+        drv = cupy().cuda.driver
+        drv.funcSetAttribute(self.kernel.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                             n)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        pad = lambda t: tuple(t) + (1,) * (3 - len(t))
+        self.kernel(pad(grid), pad(block), args, shared_mem=shared_mem,
+                    stream=cupy().cuda.get_current_stream())
+
+
+def kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
+    return kernel_on(name, dtype, count_io, D, cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int):
+    if name in K.SOURCES["flash2_tc.cu"]:
+        source, expr = "flash2_tc.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
+    elif name in K.SOURCES["flash2_wg.cu"]:
+        source, expr = "flash2_wg.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
+    else:
+        source, expr = "flash2_ref.cu", f"{name}<{K.CUDA_TYPES[dtype]}>"
+    return module(source, count_io, device).get_function(expr)
+
+
+@functools.lru_cache(maxsize=None)
+def cc(device: int) -> int:
+    # CuPy spells the compute capability as a string, "90" for 9.0
+    return int(cupy().cuda.Device(device).compute_capability)
+
+
+def cc_major(device: int) -> int:
+    return cc(device) // 10
+
+
+
+def smem_limit() -> int:
+    """Largest dynamic shared memory one CTA may opt in to on the current device."""
+    return smem_limit_on(cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def smem_limit_on(device: int) -> int:
+    props = cupy().cuda.runtime.getDeviceProperties(device)
+    return int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
+
+
+def launch(cp, kernel, grid, smem: int, args, threads: int = THREADS):
+    if 0 in grid:
+        return
+    if grid[1] > GRID_Y_MAX:
+        raise ValueError(f"{grid[1]} (batch × heads) problems exceed the grid's y limit "
+                         f"{GRID_Y_MAX}; split the batch")
+    if smem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (threads,), args, shared_mem=smem)
+
+
+def counters(cp, count_io: bool):
+    """Fresh zeroed counters for an instrumented run; the fast build never touches them,
+    so it gets one shared buffer per device instead of an allocation per call."""
+    if count_io:
+        return cp.zeros(len(K.io_counters()), dtype=cp.uint64)
+    return unused_counters(cp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def unused_counters(device: int):
+    cp = cupy()
+    return cp.zeros(len(K.io_counters()), dtype=cp.uint64)
+
+
+def scalar(dtype: str, x: float):
+    return np.float64(x) if dtype == "float64" else np.float32(x)
+
+
+def traffic(cp, counters) -> Traffic:
+    values = cp.asnumpy(counters).tolist()
+    reads, writes = {}, {}
+    for (tensor, direction), n in zip(K.io_counters(), values):
+        (reads if direction == "read" else writes)[tensor] = int(n)
+    return Traffic(reads, writes)

@@ -1,0 +1,204 @@
+// host_emu.h: SIMT kernels of the reference rung run on the CPU, for machines with no
+// GPU (flashsim.gpu.emulated()). The kernel source is compiled unchanged by a host C++
+// compiler; this header stands in for what CUDA gives it.
+//
+// Execution model: the blocks of a launch run one after another, in blockIdx order
+// (x fastest, as a GPU dispatches them); the threads of a block run as fibers on one OS
+// thread, each until it reaches __syncthreads() or returns, and the barrier opens when
+// every thread still running has reached it. So results are deterministic, atomics need
+// no hardware, and a block that waits on an earlier block (the deterministic backward's
+// turns) finds it finished, or reports the violated order instead of hanging.
+//
+// What it does not model: warps (no shuffles, no warp-synchronous code), timing, the
+// memory model's weaker orderings, inline PTX (kernels guard theirs with FLASHSIM_HOST),
+// and static __shared__ arrays beyond one per kernel instance (fine, as blocks run one at
+// a time). Dynamic shared memory is filled with 0xFF bytes (NaN) before each block, so a
+// read of shared memory the block never wrote shows up in the results.
+#pragma once
+
+#include <cuda_fp16.h>   // __half and __nv_bfloat16 have host implementations
+#include <cuda_bf16.h>
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#undef __global__
+#undef __device__
+#undef __host__
+#undef __forceinline__
+#undef __shared__
+#undef __align__
+#undef __launch_bounds__
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static    // the loader rewrites `extern __shared__` to `extern` first
+#define __align__(n) __attribute__((aligned(n)))
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+
+namespace emu {
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+}  // namespace emu
+
+// one OS thread runs every fiber, and the scheduler sets threadIdx before resuming one
+inline emu::dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+template <typename A, typename B> inline std::common_type_t<A, B> min(A a, B b) {
+    return b < a ? b : a;
+}
+template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) {
+    return a < b ? b : a;
+}
+
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
+inline double __longlong_as_double(long long x) { double f; std::memcpy(&f, &x, 8); return f; }
+
+// one OS thread: a read-modify-write is atomic as written
+template <typename T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <typename T> inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
+
+namespace emu {
+
+struct Fiber {
+    ucontext_t ctx;
+    bool done = false, waiting = false;
+};
+
+struct Block {
+    ucontext_t scheduler;
+    std::vector<Fiber> fibers;
+    std::vector<std::vector<char>> stacks;
+    std::function<void()> body;
+    int current = 0;
+};
+
+inline Block& block() { static Block b; return b; }
+inline std::string& error() { static std::string e; return e; }
+
+// Record the first error of a launch; the loader raises it once the launch returns.
+inline void fail(const std::string& what) { if (error().empty()) error() = what; }
+
+inline void fiber_main() {
+    Block& b = block();
+    b.body();
+    b.fibers[b.current].done = true;   // returns to the scheduler through uc_link
+}
+
+inline void syncthreads() {
+    Block& b = block();
+    b.fibers[b.current].waiting = true;
+    swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
+}
+
+constexpr size_t STACK_BYTES = 256 * 1024;
+
+// Run one block of `threads` threads, each calling body() with its threadIdx set.
+inline void run_block(unsigned threads, const std::function<void()>& body) {
+    Block& b = block();
+    b.body = body;
+    b.fibers.assign(threads, Fiber{});
+    if (b.stacks.size() < threads) b.stacks.resize(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+        if (b.stacks[t].empty()) b.stacks[t].resize(STACK_BYTES);
+        Fiber& f = b.fibers[t];
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = b.stacks[t].data();
+        f.ctx.uc_stack.ss_size = STACK_BYTES;
+        f.ctx.uc_link = &b.scheduler;
+        makecontext(&f.ctx, fiber_main, 0);
+    }
+    for (;;) {
+        bool live = false;
+        for (unsigned t = 0; t < threads; ++t) {
+            Fiber& f = b.fibers[t];
+            if (f.done || f.waiting) continue;
+            b.current = (int)t;
+            threadIdx = dim3{t % blockDim.x, (t / blockDim.x) % blockDim.y,
+                             t / (blockDim.x * blockDim.y)};
+            swapcontext(&b.scheduler, &f.ctx);
+        }
+        for (Fiber& f : b.fibers) {   // every thread has returned or waits: open the barrier
+            if (!f.done) live = true;
+            f.waiting = false;
+        }
+        if (!live) return;
+    }
+}
+
+// -- kernels by name, called with cuLaunchKernel's argument convention ------------------
+using Entry = std::function<void(void**)>;
+
+inline std::map<std::string, Entry>& registry() { static std::map<std::string, Entry> r; return r; }
+
+template <typename... Args, size_t... I>
+inline void call(void (*k)(Args...), void** args, std::index_sequence<I...>) {
+    k(*static_cast<std::remove_cv_t<std::remove_reference_t<Args>>*>(args[I])...);
+}
+
+template <typename... Args> inline Entry entry(void (*k)(Args...)) {
+    return [k](void** args) { call(k, args, std::index_sequence_for<Args...>{}); };
+}
+
+struct Registered {
+    Registered(const char* name, Entry e) { registry()[name] = std::move(e); }
+};
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::syncthreads(); }
+
+#define FLASHSIM_EMU_CAT2(a, b) a##b
+#define FLASHSIM_EMU_CAT(a, b) FLASHSIM_EMU_CAT2(a, b)
+// FLASHSIM_EMU_KERNEL("flash2_fwd<__half>", flash2_fwd<__half>): make a kernel launchable
+// by the name the CUDA loader gives it (its NVRTC name expression)
+#define FLASHSIM_EMU_KERNEL(name, ...)                                                   \
+    static emu::Registered FLASHSIM_EMU_CAT(flashsim_emu_kernel_, __COUNTER__)(          \
+        name, emu::entry(&__VA_ARGS__));
+
+// The launch entry point the Python loader calls through ctypes. `args` holds a pointer
+// to each kernel argument's value, as cuLaunchKernel's kernelParams do. Returns 0, or
+// nonzero with a message in err.
+#define FLASHSIM_EMU_DEFINE_LAUNCH(SMEM_NAME, SMEM_BYTES)                                \
+    extern "C" __attribute__((visibility("default"))) int flashsim_emu_launch(const char* name, unsigned gx, unsigned gy,       \
+                                       unsigned gz, unsigned bx, unsigned by,            \
+                                       unsigned bz, unsigned long long smem,             \
+                                       void** args, char* err, unsigned long errlen) {   \
+        auto& reg = emu::registry();                                                     \
+        auto it = reg.find(name);                                                        \
+        emu::error().clear();                                                            \
+        if (it == reg.end())                                                             \
+            emu::fail(std::string("no kernel named ") + name + " in this build");        \
+        else if (smem > (SMEM_BYTES))                                                    \
+            emu::fail("dynamic shared memory of " + std::to_string(smem) +               \
+                      " bytes exceeds the emulated device's " +                          \
+                      std::to_string((unsigned long long)(SMEM_BYTES)));                 \
+        else if ((unsigned long long)bx * by * bz > 1024 || bx * by * bz == 0)           \
+            emu::fail("a block must have 1 to 1024 threads, got " +                      \
+                      std::to_string((unsigned long long)bx * by * bz));                 \
+        if (emu::error().empty()) {                                                      \
+            gridDim = emu::dim3{gx, gy, gz};                                             \
+            blockDim = emu::dim3{bx, by, bz};                                            \
+            const emu::Entry& k = it->second;                                            \
+            for (unsigned z = 0; z < gz; ++z)                                            \
+                for (unsigned y = 0; y < gy; ++y)                                        \
+                    for (unsigned x = 0; x < gx; ++x) {                                  \
+                        blockIdx = emu::dim3{x, y, z};                                   \
+                        std::memset(SMEM_NAME, 0xFF, smem);                              \
+                        emu::run_block(bx * by * bz, [&] { k(args); });                  \
+                    }                                                                    \
+        }                                                                                \
+        std::snprintf(err, errlen, "%s", emu::error().c_str());                          \
+        return emu::error().empty() ? 0 : 1;                                             \
+    }

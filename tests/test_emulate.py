@@ -1,0 +1,152 @@
+"""The reference rung's CUDA kernels, run on the CPU by `fs.gpu.emulated()`, against the
+simulator: the same checks as tests/test_gpu.py (outputs to each dtype's rule, byte
+counts exactly), on a machine with no GPU. Needs a C++20 compiler and the CUDA headers
+(skipped without them); bfloat16 needs PyTorch (CPU tensors).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashsim as fs
+from flashsim.precision import make_precision
+from flashsim.strategies import random_tensor
+
+with fs.gpu.emulated():
+    EMULATED = fs.gpu.available()
+
+pytestmark = pytest.mark.skipif(not EMULATED, reason="no C++20 compiler or CUDA headers "
+                                "for the CPU emulation")
+
+import test_gpu as G   # noqa: E402  (tests/ is on sys.path: the checks are shared)
+
+try:
+    import torch   # noqa: F401
+    DTYPES = ["float16", "bfloat16", "float32", "float64"]
+except ImportError:
+    DTYPES = ["float16", "float32", "float64"]
+
+# one fiber switch per thread per barrier: keep each problem to a few tiles' worth
+EMU = settings(max_examples=12, deadline=None)
+
+
+@pytest.fixture(autouse=True)
+def emulated():
+    with fs.gpu.emulated():
+        yield
+
+
+@EMU
+@given(G.gpu_problems(max_seq=150, dtypes=DTYPES))
+def test_forward_matches_simulator(problem):
+    with pytest.MonkeyPatch.context() as m:
+        _poison(m)
+        G.check_forward(*problem, kernel="ref")
+
+
+@EMU
+@given(G.gpu_problems(max_seq=120, dtypes=DTYPES), st.booleans())
+def test_backward_matches_simulator(problem, deterministic):
+    with pytest.MonkeyPatch.context() as m:
+        _poison(m)
+        G.check_backward(*problem, kernel="ref", deterministic=deterministic)
+
+
+def _poison(m):
+    """Outputs start as NaN (all-ones bits), so an unwritten element shows."""
+    real = fs.gpu._arrays.empty
+
+    def empty(_cp, shape, dtype, *args, **kw):
+        a = real(_cp, shape, dtype, *args, **kw)
+        a.view(np.uint8).fill(0xFF)
+        return a
+    m.setattr(fs.gpu._arrays, "empty", empty)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows_and_large_logits(monkeypatch, dtype):
+    _poison(monkeypatch)
+    G.test_fully_masked_rows_and_large_logits(None, dtype)
+
+
+@pytest.mark.parametrize("Nq, Nk, d", [(113, 203, 40), (203, 113, 160), (7, 300, 256)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_odd_shapes(monkeypatch, Nq, Nk, d, dtype, causal):
+    _poison(monkeypatch)
+    G.test_odd_shapes(None, Nq, Nk, d, dtype, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_is_the_same_bits_and_traffic(causal):
+    """The ordered dQ accumulation: identical bits run to run, the same bytes as the
+    unordered mode, and the emulator finds every turn taken in blockIdx order (a turn
+    out of order raises where a GPU would hang)."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 2, 70, 24)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, 300, 24)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = fs.gpu.attention(q, k, v, causal=causal)
+    runs = [fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, count_io=True,
+                                      deterministic=True, block_sizes=(16, 16))
+            for _ in range(2)]
+    free = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, count_io=True,
+                                     block_sizes=(16, 16))
+    for a, b in zip(runs[0][:3], runs[1][:3]):
+        assert np.array_equal(a, b)
+    assert runs[0][3] == runs[1][3] == free[3]
+
+
+def test_numpy_in_numpy_out_and_errors():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 33, 16)).astype(np.float32) for _ in range(3))
+    out, lse = fs.gpu.attention(q, k, v)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and lse.dtype == np.float32
+    np.testing.assert_allclose(out, fs.attention_reference(q, k, v)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="share one dtype"):
+        fs.gpu.attention(q, k.astype(np.float16), v)
+    with pytest.raises(ValueError, match="shared memory"):
+        fs.gpu.attention(q, k, v, block_sizes=(4096, 4096))
+    # the fast rungs' inline PTX has no host meaning: asked for by name, they say so
+    with pytest.raises(ValueError, match="tensor-core kernel runs"):
+        fs.gpu.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+                         kernel="tc")
+    h = rng.standard_normal((1, 2, 40, 64)).astype(np.float16)
+    assert fs.gpu.block_sizes(h, h) == fs.kernels.default_block_sizes(
+        64, 64, "float16", fs.gpu.smem_limit(), False)   # "auto" is the reference rung
+
+
+def test_emulation_is_scoped_and_checked():
+    assert fs.gpu.is_emulated()
+    with fs.gpu.emulated(False):
+        assert not fs.gpu.is_emulated()
+    assert fs.gpu.is_emulated()
+    with pytest.raises(TypeError, match="True or False"):
+        with fs.gpu.emulated("yes"):
+            pass
+
+
+def test_a_launch_error_is_raised_not_crashed():
+    """Launch checks the emulator makes before running a block (as a driver would)."""
+    kern = fs.gpu._device.kernel("flash2_bwd_postprocess", "float32", False)
+    dq = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(RuntimeError, match="1 to 1024 threads"):
+        kern((1, 1), (2048,), (dq, dq, np.int32(4), np.int32(8), np.int32(4), np.uint64(0)))
+    with pytest.raises(RuntimeError, match="exceeds"):
+        kern((1, 1), (32,), (dq, dq, np.int32(4), np.int32(8), np.int32(4), np.uint64(0)),
+             shared_mem=10**7)
+    with pytest.raises(TypeError, match="fixed width"):
+        kern((1, 1), (32,), (dq, dq, 4, np.int32(8), np.int32(4), np.uint64(0)))
+
+
+def test_torch_cpu_tensors_in_and_out():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 50, 32))).to(torch.bfloat16)
+               for _ in range(3))
+    out, lse = fs.gpu.attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                           is_causal=True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
