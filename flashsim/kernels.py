@@ -179,7 +179,7 @@ REGISTERS = {
               "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 253},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
               "flash2_fwd_wg": {64: 108, 128: 189}},
-    "sm_80": {"flash2_fwd": 48, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 56,
+    "sm_80": {"flash2_fwd": 56, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 64,
               "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 222, 128: 187},
               "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 239},
               "flash2_bwd_tc_det": {64: 224, 128: 242}},

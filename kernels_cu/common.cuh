@@ -43,6 +43,8 @@ __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 
 // -- the band mask --------------------------------------------------------------------
 // Query row r sees key c iff r + off − left <= c <= r + off + right, off = Nk − Nq;
@@ -69,6 +71,27 @@ struct Band {
         if (r_lo > r_hi) { *ilo = 0; *ihi = -1; return; }
         *ilo = r_lo / Br;
         *ihi = r_hi / Br;
+    }
+};
+
+// -- the variants' scores -----------------------------------------------------------
+// S = softcap · tanh(s / softcap) − slope · |r + off − c| for s = scale · q·k (softcap 0:
+// none; slope 0: no ALiBi), the order of flashsim.variants.Scores.finish. *t receives the
+// tanh, which the backward needs (1 − tanh² is the softcap's derivative).
+template <typename A> struct Scores {
+    A softcap, slope;
+    int off;
+    __device__ __forceinline__ A operator()(A s, int r, int c, A* t = nullptr) const {
+        if (softcap > A(0)) {
+            const A th = tanh_acc(s / softcap);
+            if (t != nullptr) *t = th;
+            s = softcap * th;
+        }
+        if (slope != A(0)) {
+            const int dist = r + off - c;
+            s -= slope * (A)(dist < 0 ? -dist : dist);
+        }
+        return s;
     }
 };
 

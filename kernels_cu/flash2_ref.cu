@@ -2,6 +2,9 @@
 // memory tiles, exactly the simulator's loop order, tiles, skipping and statistics, so
 // that an instrumented build counts the same HBM bytes as flashsim.simulate.
 //
+// Scores: S = softcap(scale·Q Kᵀ) − slope·|r + Nk − Nq − c| inside the band (left, right),
+// −∞ outside it; softcap 0 and slopes null turn those off (flashsim.variants).
+//
 // Kernels in this file, each a rung over the last:
 //   flash2_fwd<T>           forward. Grid (Tr, problems): one CTA per Q tile i reads Q_i
 //                           once, streams the visited K_j, V_j, keeps m, ℓ and the
@@ -30,7 +33,8 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
                            const T* __restrict__ V, const int* __restrict__ kv_index,
                            T* __restrict__ O, float* __restrict__ L,
                            int Nq, int Nk, int d, int dv, int Br, int Bc, int left, int right,
-                           typename AccOf<T>::type scale, unsigned long long* io) {
+                           typename AccOf<T>::type scale, typename AccOf<T>::type softcap,
+                           const float* __restrict__ slopes, unsigned long long* io) {
     using A = typename AccOf<T>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sQ = reinterpret_cast<A*>(smem_raw);   // Br·d
@@ -53,6 +57,7 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     const T* Kp = K + kv * Nk * d;
     const T* Vp = V + kv * Nk * dv;
     const Band band{left, right, Nk - Nq};
+    const Scores<A> score{softcap, slopes != nullptr ? (A)slopes[p] : A(0), Nk - Nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
 
@@ -81,7 +86,8 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
             const int r = x / cols, c = x % cols;
             A s = A(0);
             for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
-            sS[r * Bc + c] = band.sees(i0 + r, j0 + c) ? s * scale : neg_inf<A>();
+            sS[r * Bc + c] = band.sees(i0 + r, j0 + c) ? score(s * scale, i0 + r, j0 + c)
+                                                        : neg_inf<A>();
         }
         __syncthreads();
 
@@ -152,7 +158,9 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
                                 T* __restrict__ dK, T* __restrict__ dV,
                                 int Nq, int Nk, int d, int dv, int Br, int Bc, int left,
                                 int right, typename AccOf<T>::type scale,
-                                int* __restrict__ sem, unsigned long long* io) {
+                                typename AccOf<T>::type softcap,
+                                const float* __restrict__ slopes, int* __restrict__ sem,
+                                unsigned long long* io) {
     using A = typename AccOf<T>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sK = reinterpret_cast<A*>(smem_raw);   // Bc·d
@@ -175,6 +183,7 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
     T* dKj = dK + ((long long)p * Nk + j0) * d;    // per query problem; GQA sums later
     T* dVj = dV + ((long long)p * Nk + j0) * dv;
     const Band band{left, right, Nk - Nq};
+    const Scores<A> score{softcap, slopes != nullptr ? (A)slopes[p] : A(0), Nk - Nq};
     int ilo, ihi;
     band.q_range(j0, j0 + cols, Nq, Br, &ilo, &ihi);
 
@@ -199,19 +208,25 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
         COUNT_IO(io, IO_D_R, (long long)rows * 4);                // HBM→SRAM: D_i (Br)
         __syncthreads();
 
-        for (int x = tid; x < rows * cols; x += nt) {             // P = exp(scale·Q Kᵀ − L)
+        for (int x = tid; x < rows * cols; x += nt) {             // P = exp(S − L)
             const int r = x / cols, c = x % cols;
             A s = A(0);
             for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
             const bool live = band.sees(i0 + r, j0 + c) && !is_neg_inf(sL[r]);
-            sP[r * Bc + c] = live ? exp_acc(s * scale - sL[r]) : A(0);
+            A t = A(0);
+            const A S = score(s * scale, i0 + r, j0 + c, &t);
+            sP[r * Bc + c] = live ? exp_acc(S - sL[r]) : A(0);
+            sdS[r * Bc + c] = t;   // tanh of the softcap, read back by this thread below
         }
         __syncthreads();
         for (int x = tid; x < rows * cols; x += nt) {             // dS = P ∘ (dO Vᵀ − D)
             const int r = x / cols, c = x % cols;
             A dp = A(0);
             for (int k = 0; k < dv; ++k) dp += sdO[r * dv + k] * sV[c * dv + k];
-            sdS[r * Bc + c] = round_io<T>(sP[r * Bc + c] * (dp - sD[r]));
+            // through the softcap: d(c·tanh(s/c))/ds = 1 − tanh²
+            const A t = sdS[r * Bc + c];
+            const A through = softcap > A(0) ? A(1) - t * t : A(1);
+            sdS[r * Bc + c] = round_io<T>(sP[r * Bc + c] * (dp - sD[r]) * through);
         }
         __syncthreads();
         for (int x = tid; x < cols * dv; x += nt) {               // dV_j += Pᵀ dO_i

@@ -7,11 +7,13 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import warnings
 
 import numpy as np
 
 from .. import kernels as K
-from ..problem import check_scale, Shape
+from ..problem import canon_batch, check_scale, Shape
+from ..variants import canonical_slopes, check_softcap, make_band
 from . import _arrays as arrays, _device as dev
 
 KERNELS = ("auto", "ref", "tc", "wg")
@@ -43,12 +45,22 @@ def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) 
                          block_sizes, backward)
 
 
-def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False) -> str:
+def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False,
+            variant: str | None = None) -> str:
     """The fastest rung that supports the inputs: "wg" (Hopper, forward), "tc" (tensor
-    cores), else "ref"; or the one asked for, with an error where it cannot run them."""
+    cores), else "ref"; or the one asked for, with an error where it cannot run them.
+    ``variant`` names the window, softcap or ALiBi asked for, which only the reference
+    rung runs so far. "auto" warns (once per reason) when float16/bfloat16 inputs fall
+    to the reference rung, which is two orders of magnitude slower."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "ref":
+        return "ref"
+    if variant is not None:
+        if kernel != "auto":
+            raise ValueError(f"{variant} runs on the reference kernel only so far; use "
+                             f"kernel='ref' or 'auto' (got kernel={kernel!r})")
+        _warn_reference(dtype, f"{variant} (the fast rungs do not run it yet)")
         return "ref"
     if kernel == "wg" and backward:
         raise ValueError("the Hopper kernel ('wg') is a forward only; the backward runs on "
@@ -70,7 +82,41 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
             f"the device's shared memory ({dev.smem_limit()} bytes here); got {dtype}, "
             f"d={shape.d}, dv={shape.dv}, "
             f"block_sizes={block_sizes}. Use kernel='ref' or 'auto'.")
+    if block_sizes is None:
+        _warn_reference(dtype, f"d={shape.d}, dv={shape.dv} (the fast rungs take d = dv in "
+                               f"{K.TC_HEAD_DIMS} with tiles that fit the device)")
     return "ref"
+
+
+_WARNED: set = set()
+
+
+def _warn_reference(dtype: str, reason: str):
+    if dtype not in K.TC_DTYPES or dev.is_emulated() or reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(f"flashsim.gpu runs {dtype} attention on the reference kernel, ~100× "
+                  f"slower than the tensor-core ones, because of {reason}", UserWarning,
+                  stacklevel=4)
+
+
+def _variant_args(cp, shape: Shape, dtype: str, causal, window, softcap, alibi_slopes):
+    """(left, right, softcap, slopes, what) for the kernels: the band, softcap (0: none),
+    the slopes per query problem as a float32 device array (a null pointer: none), and
+    the name of the variant asked for (None for plain attention)."""
+    band = make_band(causal, window)
+    c = check_softcap(softcap)
+    slopes = canonical_slopes(alibi_slopes, shape)
+    left = -1 if band.left is None else band.left
+    right = -1 if band.right is None else band.right
+    ptr = np.uint64(0)
+    if slopes is not None:
+        # (…, hk, g) → one slope per query problem, in the order of Q's problems
+        full = np.broadcast_to(slopes, canon_batch(shape))
+        ptr = cp.asarray(np.ascontiguousarray(full, np.float32).reshape(-1))
+    asked = [n for n, on in (("window", window is not None), ("softcap", c is not None),
+                             ("alibi_slopes", slopes is not None)) if on]
+    return left, right, dev.scalar(dtype, c or 0.0), ptr, ", ".join(asked) or None
 
 
 
@@ -93,12 +139,15 @@ def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int,
     return Br, Bc
 
 
-def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[int, int]:
+def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=None,
+                softcap=None, alibi_slopes=None) -> tuple[int, int]:
     """The (Br, Bc) the kernels use by default for these inputs (pass them to
     `flashsim.simulate` to predict the kernels' traffic)."""
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
-    which = _choose(kernel, shape, qi.dtype, None, backward)
+    asked = [n for n, x in (("window", window), ("softcap", softcap),
+                            ("alibi_slopes", alibi_slopes)) if x is not None]
+    which = _choose(kernel, shape, qi.dtype, None, backward, variant=", ".join(asked) or None)
     if which == "wg":
         return K.WG_BLOCKS[shape.d]
     if which == "tc":
@@ -108,8 +157,9 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto") -> tuple[
 
 # -- forward ------------------------------------------------------------------------------
 
-def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
-              count_io: bool = False, kernel: str = "auto"):
+def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap=None,
+              alibi_slopes=None, block_sizes=None, count_io: bool = False,
+              kernel: str = "auto"):
     """FlashAttention-2 forward on the GPU: (out, lse), or (out, lse, traffic) with
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
@@ -119,25 +169,34 @@ def attention(q, k, v, *, causal: bool = False, scale=None, block_sizes=None,
     tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any
     dtype, d, dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref"
     that supports the inputs on this device, with tiles that fit its shared memory.
+
+    Variants, with `flashsim.simulate`'s semantics (flashsim.variants): ``window=(left,
+    right)`` (−1 unbounded; tiles outside the band are skipped), ``softcap=c`` and
+    ``alibi_slopes`` ((heads,) or (batch, heads), fp32); these run on the reference
+    kernel so far.
     """
-    if not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
+    plain = window is None and softcap is None and alibi_slopes is None
+    if plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
         fast = _torch_forward(q, k, v, causal, scale, kernel)
         if fast is not None:
             return fast
     with arrays.stream(q):
-        return _attention(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
-                          count_io=count_io, kernel=kernel)
+        return _attention(q, k, v, causal=causal, scale=scale, window=window,
+                          softcap=softcap, alibi_slopes=alibi_slopes,
+                          block_sizes=block_sizes, count_io=count_io, kernel=kernel)
 
 
 
-def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
+def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_sizes,
+               count_io, kernel):
     cp = dev.cupy()
     qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
     shape, Q, Kd, Vd, kv_index = arrays.layout(qi, ki, vi)
     dtype = qi.dtype
     scale = check_scale(scale, shape.d)
-    left, right = arrays.band(causal)
-    which = _choose(kernel, shape, dtype, block_sizes)
+    left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
+                                                      softcap, alibi_slopes)
+    which = _choose(kernel, shape, dtype, block_sizes, variant=variant)
     P, Nq = shape.problems, shape.Nq
     O = arrays.empty(cp, (P, Nq, shape.dv), arrays.storage(cp, dtype), dtype if qi.torch else None)
     L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
@@ -161,7 +220,7 @@ def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
                 K.grid("flash2_fwd", Nq, shape.Nk, Br, Bc, P), smem,
                 (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(shape.d),
                  i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
-                 dev.scalar(dtype, scale), io))
+                 dev.scalar(dtype, scale), cap, slopes, io))
     out = arrays.out(cp, O.reshape(shape.batch_shape + (Nq, shape.dv)), dtype, qi.torch)
     lse = arrays.out(cp, L.reshape(shape.batch_shape + (Nq,)), "float32", qi.torch)
     return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
@@ -170,7 +229,8 @@ def _attention(q, k, v, *, causal, scale, block_sizes, count_io, kernel):
 # -- backward -----------------------------------------------------------------------------
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=None,
-                       block_sizes=None, count_io: bool = False, kernel: str = "auto",
+                       window=None, softcap=None, alibi_slopes=None, block_sizes=None,
+                       count_io: bool = False, kernel: str = "auto",
                        deterministic: bool = False):
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
@@ -180,21 +240,26 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     dQ is summed over the K/V tiles with fp32 atomics, whose order varies from run to
     run, and so do the last bits of dq. ``deterministic=True`` makes the tiles add in a
     fixed order (each waits for the one before it), so dq is the same bits on every run,
-    at some cost in speed; the bytes moved are the same."""
+    at some cost in speed; the bytes moved are the same. ``window``, ``softcap`` and
+    ``alibi_slopes`` must be those of the forward (the softcap's tanh is recomputed)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    if not count_io and block_sizes is None and kernel in ("auto", "tc") and not deterministic:
+    plain = window is None and softcap is None and alibi_slopes is None
+    if (plain and not count_io and block_sizes is None and kernel in ("auto", "tc")
+            and not deterministic):
         fast = _torch_backward(q, k, v, out, lse, dout, causal, scale)
         if fast is not None:
             return fast
     with arrays.stream(q):
         return _attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
-                                   block_sizes=block_sizes, count_io=count_io,
-                                   kernel=kernel, deterministic=deterministic)
+                                   window=window, softcap=softcap,
+                                   alibi_slopes=alibi_slopes, block_sizes=block_sizes,
+                                   count_io=count_io, kernel=kernel,
+                                   deterministic=deterministic)
 
 
-def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, count_io,
-                        kernel, deterministic):
+def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softcap,
+                        alibi_slopes, block_sizes, count_io, kernel, deterministic):
     cp = dev.cupy()
     qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
     shape, Q, Kd, Vd, kv_index = arrays.layout(qi, ki, vi)
@@ -215,8 +280,9 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, 
                          f"{shape.batch_shape + (shape.Nq,)}")
     L = cp.ascontiguousarray(L.astype(cp.float32, copy=False)).reshape(-1, shape.Nq)
     scale = check_scale(scale, shape.d)
-    left, right = arrays.band(causal)
-    which = _choose(kernel, shape, dtype, block_sizes, backward=True)
+    left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
+                                                      softcap, alibi_slopes)
+    which = _choose(kernel, shape, dtype, block_sizes, backward=True, variant=variant)
     if which == "tc":
         Br, Bc = _tc_tiles(shape.d, True)
     else:
@@ -258,8 +324,8 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, block_sizes, 
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
         dev.launch(cp, dev.kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d),
-                 i32(dv), i32(Br), i32(Bc), i32(left), i32(right), dev.scalar(dtype, scale), sem,
-                 io))
+                 i32(dv), i32(Br), i32(Bc), i32(left), i32(right), dev.scalar(dtype, scale),
+                 cap, slopes, sem, io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", dtype, count_io),
             grid("flash2_bwd_postprocess"), 0,
             (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))
