@@ -249,3 +249,20 @@ def test_variants_are_checked_before_any_launch():
         fs.gpu.attention(q, q, q, softcap=5.0, kernel="tc")
     out, lse = fs.gpu.attention(q, q, q, window=(0, 0))     # each row sees its own key
     np.testing.assert_allclose(out, q, rtol=1e-6)
+
+
+def test_the_reference_fallback_warns_once_per_reason():
+    """On a GPU, float16/bfloat16 inputs that "auto" must run on the reference kernel
+    (an unsupported head dim, a variant) warn once per reason; float32 never does, nor
+    does the emulation, where the reference rung is all there is."""
+    import warnings
+    f2 = fs.gpu.flash2
+    assert f2._warn_reference("float16", "a reason under emulation") is None
+    with fs.gpu.emulated(False):
+        f2._WARNED.discard("a test reason")
+        with pytest.warns(UserWarning, match="reference kernel.*a test reason"):
+            f2._warn_reference("bfloat16", "a test reason")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            f2._warn_reference("bfloat16", "a test reason")      # once
+            f2._warn_reference("float32", "another reason")      # not a fast dtype

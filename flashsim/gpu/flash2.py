@@ -97,7 +97,7 @@ def _warn_reference(dtype: str, reason: str):
     _WARNED.add(reason)
     warnings.warn(f"flashsim.gpu runs {dtype} attention on the reference kernel, ~100× "
                   f"slower than the tensor-core ones, because of {reason}", UserWarning,
-                  stacklevel=4)
+                  stacklevel=5)   # the caller of attention or attention_backward
 
 
 def _variant_args(cp, shape: Shape, dtype: str, causal, window, softcap, alibi_slopes):
@@ -142,7 +142,8 @@ def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int,
 def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=None,
                 softcap=None, alibi_slopes=None) -> tuple[int, int]:
     """The (Br, Bc) the kernels use by default for these inputs (pass them to
-    `flashsim.simulate` to predict the kernels' traffic)."""
+    `flashsim.simulate` to predict the kernels' traffic); with a window, softcap or
+    ALiBi slopes, those of the rung that runs them."""
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
     asked = [n for n, x in (("window", window), ("softcap", softcap),
