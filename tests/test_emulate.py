@@ -4,6 +4,8 @@ counts exactly), on a machine with no GPU. Needs a C++20 compiler and the CUDA h
 (skipped without them); bfloat16 needs PyTorch (CPU tensors).
 """
 
+import importlib.util
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +13,6 @@ from hypothesis import strategies as st
 
 import flashsim as fs
 from flashsim.precision import make_precision
-from flashsim.strategies import random_tensor
 
 with fs.gpu.emulated():
     EMULATED = fs.gpu.available()
@@ -21,11 +22,9 @@ pytestmark = pytest.mark.skipif(not EMULATED, reason="no C++20 compiler or CUDA 
 
 import test_gpu as G   # noqa: E402  (tests/ is on sys.path: the checks are shared)
 
-try:
-    import torch   # noqa: F401
-    DTYPES = ["float16", "bfloat16", "float32", "float64"]
-except ImportError:
-    DTYPES = ["float16", "float32", "float64"]
+# bfloat16 travels as PyTorch CPU tensors (NumPy has no bfloat16)
+DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if importlib.util.find_spec("torch")
+                                              else [])
 
 # one fiber switch per thread per barrier: keep each problem to a few tiles' worth
 EMU = settings(max_examples=int(__import__("os").environ.get("EMU_EXAMPLES", 12)), deadline=None)
