@@ -40,7 +40,7 @@ def emulated():
 @given(G.gpu_problems(max_seq=150, dtypes=DTYPES))
 def test_forward_matches_simulator(problem):
     with pytest.MonkeyPatch.context() as m:
-        _poison(m)
+        G.poison_outputs(m)
         G.check_forward(*problem, kernel="ref")
 
 
@@ -48,24 +48,13 @@ def test_forward_matches_simulator(problem):
 @given(G.gpu_problems(max_seq=120, dtypes=DTYPES), st.booleans())
 def test_backward_matches_simulator(problem, deterministic):
     with pytest.MonkeyPatch.context() as m:
-        _poison(m)
+        G.poison_outputs(m)
         G.check_backward(*problem, kernel="ref", deterministic=deterministic)
-
-
-def _poison(m):
-    """Outputs start as NaN (all-ones bits), so an unwritten element shows."""
-    real = fs.gpu._arrays.empty
-
-    def empty(_cp, shape, dtype, *args, **kw):
-        a = real(_cp, shape, dtype, *args, **kw)
-        a.view(np.uint8).fill(0xFF)
-        return a
-    m.setattr(fs.gpu._arrays, "empty", empty)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_masked_rows_and_large_logits(monkeypatch, dtype):
-    _poison(monkeypatch)
+    G.poison_outputs(monkeypatch)
     G.test_fully_masked_rows_and_large_logits(None, dtype)
 
 
@@ -73,7 +62,7 @@ def test_fully_masked_rows_and_large_logits(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_odd_shapes(monkeypatch, Nq, Nk, d, dtype, causal):
-    _poison(monkeypatch)
+    G.poison_outputs(monkeypatch)
     G.test_odd_shapes(None, Nq, Nk, d, dtype, causal)
 
 

@@ -99,8 +99,7 @@ def fits(blocks, shape_d, shape_dv, dtype, backward=False):
     return fs.kernels.smem_bytes(kernel, *blocks, shape_d, shape_dv, dtype) <= fs.gpu.smem_limit()
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
+def poison_outputs(monkeypatch):
     """Every output buffer starts as NaN (all-ones bits), so an unwritten element shows."""
     real = fs.gpu._arrays.empty
 
@@ -109,6 +108,11 @@ def poisoned(monkeypatch):
         a.view(np.uint8).fill(0xFF)
         return a
     monkeypatch.setattr(fs.gpu._arrays, "empty", empty)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    poison_outputs(monkeypatch)
 
 
 @given(gpu_problems())
