@@ -129,15 +129,8 @@ def test_a_launch_error_is_raised_not_crashed():
 
 
 def test_torch_cpu_tensors_in_and_out():
-    torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(5)
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 50, 32))).to(torch.bfloat16)
-               for _ in range(3))
-    out, lse = fs.gpu.attention(q, k, v, causal=True)
-    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                           is_causal=True)
-    assert (out.float() - ref).abs().max().item() < 2e-2
+    pytest.importorskip("torch")
+    G.check_torch_in_torch_out("cpu", (1, 2, 50, 32))
 
 
 # -- variants: window, softcap, ALiBi (the reference rung) ---------------------------------

@@ -285,8 +285,14 @@ def test_numpy_in_cupy_out_and_errors():
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
 def test_torch_in_torch_out_without_copy():
+    check_torch_in_torch_out("cuda", (1, 4, 77, 64))
+
+
+def check_torch_in_torch_out(device, shape):
+    """bfloat16 tensors in, bfloat16 tensors out, SDPA's values (causal)."""
+    import torch
     rng = np.random.default_rng(5)
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, 4, 77, 64))).to("cuda", torch.bfloat16)
+    q, k, v = (torch.from_numpy(rng.standard_normal(shape)).to(device, torch.bfloat16)
                for _ in range(3))
     out, lse = fs.gpu.attention(q, k, v, causal=True)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
