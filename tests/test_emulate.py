@@ -5,6 +5,7 @@ counts exactly), on a machine with no GPU. Needs a C++20 compiler and the CUDA h
 """
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -27,7 +28,8 @@ DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if importlib.util.fin
                                               else [])
 
 # one fiber switch per thread per barrier: keep each problem to a few tiles' worth
-EMU = settings(max_examples=int(__import__("os").environ.get("EMU_EXAMPLES", 12)), deadline=None)
+# (EMU_EXAMPLES=80 for a longer run)
+EMU = settings(max_examples=int(os.environ.get("EMU_EXAMPLES", 12)), deadline=None)
 
 
 @pytest.fixture(autouse=True)

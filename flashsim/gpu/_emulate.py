@@ -16,6 +16,7 @@ on ``$PATH``, or /usr/local/cuda); no GPU, driver or CuPy.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -88,9 +89,8 @@ class RawModule:
         flags = [o for o in options if o.startswith(("-I", "-D"))] + ["-DFLASHSIM_HOST"]
         cxx = compiler()
         host_emu = (K.kernel_dir() / "host_emu.h").read_text()
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
         key = hashlib.sha256("\0".join((code, host_emu, *flags, *name_expressions, cxx,
-                                        version)).encode()).hexdigest()[:40]
+                                        _version(cxx))).encode()).hexdigest()[:40]
         cache = _cache_dir()
         lib = cache / f"flashsim_emu_{key}.so"
         with _BUILD_LOCK:
@@ -134,11 +134,15 @@ class RawModule:
         return Kernel(self.lib, expr)
 
 
+@functools.lru_cache(maxsize=None)
+def _version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+
+
 def _no_gnu_unique(cxx: str) -> list[str]:
     """GCC marks the statics of inline functions as process-wide (STB_GNU_UNIQUE) even in
     a library loaded RTLD_LOCAL; clang does not, and has no flag for it."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    return [] if "clang" in version else ["-fno-gnu-unique"]
+    return [] if "clang" in _version(cxx) else ["-fno-gnu-unique"]
 
 
 class Kernel:

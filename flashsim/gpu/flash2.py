@@ -114,10 +114,14 @@ def _variant_args(cp, shape: Shape, dtype: str, causal, window, softcap, alibi_s
         # (…, hk, g) → one slope per query problem, in the order of Q's problems
         full = np.broadcast_to(slopes, canon_batch(shape))
         ptr = cp.asarray(np.ascontiguousarray(full, np.float32).reshape(-1))
-    asked = [n for n, on in (("window", window is not None), ("softcap", c is not None),
-                             ("alibi_slopes", slopes is not None)) if on]
-    return left, right, dev.scalar(dtype, c or 0.0), ptr, ", ".join(asked) or None
+    return left, right, dev.scalar(dtype, c or 0.0), ptr, _asked(window, softcap, alibi_slopes)
 
+
+def _asked(window, softcap, alibi_slopes) -> str | None:
+    """The variants given, by name ("window, softcap"), or None for plain attention."""
+    names = [n for n, x in (("window", window), ("softcap", softcap),
+                            ("alibi_slopes", alibi_slopes)) if x is not None]
+    return ", ".join(names) or None
 
 
 def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int, int]:
@@ -146,9 +150,8 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
     ALiBi slopes, those of the rung that runs them."""
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
-    asked = [n for n, x in (("window", window), ("softcap", softcap),
-                            ("alibi_slopes", alibi_slopes)) if x is not None]
-    which = _choose(kernel, shape, qi.dtype, None, backward, variant=", ".join(asked) or None)
+    which = _choose(kernel, shape, qi.dtype, None, backward,
+                    variant=_asked(window, softcap, alibi_slopes))
     if which == "wg":
         return K.WG_BLOCKS[shape.d]
     if which == "tc":
@@ -176,7 +179,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     ``alibi_slopes`` ((heads,) or (batch, heads), fp32); these run on the reference
     kernel so far.
     """
-    plain = window is None and softcap is None and alibi_slopes is None
+    plain = _asked(window, softcap, alibi_slopes) is None
     if plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
         fast = _torch_forward(q, k, v, causal, scale, kernel)
         if fast is not None:
@@ -245,7 +248,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     ``alibi_slopes`` must be those of the forward (the softcap's tanh is recomputed)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    plain = window is None and softcap is None and alibi_slopes is None
+    plain = _asked(window, softcap, alibi_slopes) is None
     if (plain and not count_io and block_sizes is None and kernel in ("auto", "tc")
             and not deterministic):
         fast = _torch_backward(q, k, v, out, lse, dout, causal, scale)
