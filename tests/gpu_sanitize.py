@@ -9,7 +9,7 @@
 Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
-into dQ).
+into dQ); and the reference rung with a window, softcap and ALiBi.
 """
 
 import sys
@@ -65,6 +65,18 @@ def main(n_cases: int = 8) -> int:
                                                   block_sizes=b, count_io=count_io, kernel=kernel,
                                                   deterministic=count_io)
                         launches += 4
+                # the variants (reference rung): a window cutting tiles, softcap, ALiBi
+                # per (batch, head)
+                var = dict(window=(int(rng.integers(0, 40)), int(rng.integers(-1, 10))),
+                           softcap=float(rng.uniform(1, 20)),
+                           alibi_slopes=rng.uniform(0, 0.5, (2, hk * g)))
+                out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
+                                            count_io=True, **var)[:2]
+                dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
+                fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
+                                          block_sizes=blocks, count_io=True,
+                                          deterministic=causal, **var)
+                launches += 4
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
