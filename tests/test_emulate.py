@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashsim as fs
-from flashsim.precision import make_precision
 
 with fs.gpu.emulated():
     EMULATED = fs.gpu.available()
@@ -137,87 +136,20 @@ def test_torch_cpu_tensors_in_and_out():
 
 # -- variants: window, softcap, ALiBi (the reference rung) ---------------------------------
 
-@st.composite
-def variant_problems(draw):
-    Nq, Nk = draw(st.integers(1, 130)), draw(st.integers(1, 130))
-    d = draw(st.sampled_from([8, 16, 40, 64]))
-    dv = draw(st.sampled_from([d, 16]))
-    dtype = draw(st.sampled_from(DTYPES))
-    B, hk, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
-    causal = draw(st.booleans())
-    # windows that cut tiles, and ones reaching past the matrix
-    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, 150), st.integers(-1, 150))))
-    softcap = draw(st.one_of(st.none(), st.floats(0.25, 30.0)))
-    alibi = draw(st.sampled_from([None, "heads", "batch"]))
-    blocks = draw(st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 64])))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    rnd = make_precision("kernel", dtype).io_round
-    q = rnd(rng.standard_normal((B, hk * g, Nq, d)) * 2).astype(np.float64)
-    k = rnd(rng.standard_normal((B, hk, Nk, d)) * 2).astype(np.float64)
-    v = rnd(rng.standard_normal((B, hk, Nk, dv))).astype(np.float64)
-    slopes = None if alibi is None else rng.uniform(0.0, 0.5, (B, hk * g) if alibi == "batch"
-                                                     else (hk * g,))
-    return q, k, v, dtype, blocks, dict(causal=causal, window=window, softcap=softcap,
-                                        alibi_slopes=slopes)
-
-
-def _variant_tolerance(q, k, dtype, variants, Nk):
-    """fp32 rounding of S (κ32, plus the ALiBi bias's own rounding) and, in float16 and
-    bfloat16, a few roundings of P or dS to the I/O type falling the other way."""
-    bias = 0.5 * (Nk + q.shape[-2]) if variants["alibi_slopes"] is not None else 0.0
-    ulp = 4 * G.s_condition(q, k, "float32") + 4 * 2.0**-24 * (1 + bias)
-    return ulp + (4 * G.EPS[dtype] if dtype in ("float16", "bfloat16") else 0.0)
-
-
 @EMU
-@given(variant_problems())
+@given(G.variant_problems(dtypes=DTYPES))
 def test_variants_forward_match_the_simulator(problem):
-    q, k, v, dtype, blocks, variants = problem
-    qd, kd, vd = (G.dev(x, dtype) for x in (q, k, v))
-    out, lse, traffic = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, count_io=True,
-                                         **variants)
-    out, lse = G.host(out), G.host(lse)
-    sim = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype, **variants)
-    assert traffic == sim.traffic, traffic.diff(sim.traffic)   # skipped tiles included
-    simk = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype,
-                       precision="kernel", **variants)
-    fin = np.isfinite(simk.lse)
-    assert np.array_equal(np.isneginf(lse), ~fin)              # rows that see no key
-    assert (out[~fin] == 0).all()
-    tol = _variant_tolerance(q, k, dtype, variants, k.shape[-2])
-    vmax = max(1.0, np.abs(v).max())
-    np.testing.assert_allclose(out, simk.out, rtol=tol, atol=tol * vmax)
-    np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=tol, atol=tol)
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_variants_forward(*problem)
 
 
 @EMU
-@given(variant_problems(), st.booleans())
+@given(G.variant_problems(dtypes=DTYPES), st.booleans())
 def test_variants_backward_match_the_simulator(problem, deterministic):
-    q, k, v, dtype, blocks, variants = problem
-    qd, kd, vd = (G.dev(x, dtype) for x in (q, k, v))
-    out, lse = fs.gpu.attention(qd, kd, vd, **variants)
-    o, L = G.host(out), G.host(lse)
-    rnd = make_precision("kernel", dtype).io_round
-    dout = rnd(np.random.default_rng(1).standard_normal(o.shape)).astype(np.float64)
-    *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, G.dev(dout, dtype),
-                                                block_sizes=blocks, count_io=True,
-                                                deterministic=deterministic, **variants)
-    grads = [G.host(x) for x in grads]
-    sim = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=blocks,
-                               io_dtype=dtype, **variants)
-    assert traffic == sim.traffic, traffic.diff(sim.traffic)
-    simk = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=blocks,
-                                io_dtype=dtype, precision="kernel", **variants)
-    # the kernel-precision twin: the same roundings, in another order of fp32 sums (L, D
-    # and the dQ accumulator are fp32 in every kernel, float64 ones included)
-    rel = 1e-4 if dtype in ("float32", "float64") else 32 * G.EPS[dtype]
-    # relative to the terms each gradient sums, not to the sum: dS = P ∘ (dP − D) cancels
-    # (one visible key: dk is 0 exactly, its parts are not)
-    mags = G.grad_magnitudes(q, k, v, o, dout, causal=variants["causal"])
-    for n, (name, a, b) in enumerate(zip(("dq", "dk", "dv"), grads, (simk.dq, simk.dk, simk.dv))):
-        assert np.isfinite(a).all(), name
-        err, scale = np.abs(a - b).max(initial=0), max(np.abs(b).max(initial=0), mags[n])
-        assert err <= rel * scale, (name, err, scale)
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_variants_backward(*problem, deterministic)
 
 
 def test_variants_are_checked_before_any_launch():
