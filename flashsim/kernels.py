@@ -28,6 +28,8 @@ SOURCES = {
     "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
                      "flash2_bwd_tc_det"),
     "flash2_wg.cu": ("flash2_fwd_wg",),
+    "splitkv_tc.cu": ("kvcache_append", "splitkv_fwd_tc_m16", "splitkv_fwd_tc_m32",
+                      "splitkv_fwd_tc_m64", "splitkv_combine"),
 }
 # Sources built for one architecture only, by its arch-specific target: the Hopper rung
 # uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
@@ -79,6 +81,25 @@ def source_arch(source: str, arch: str) -> str | None:
     if special is None:
         return arch
     return special if arch.rstrip("a") == special.rstrip("a") else None
+
+
+# Decoding over a KV cache (splitkv_tc.cu): fp16/bf16, d = dv ∈ SPLITKV_HEAD_DIMS; K/V
+# tiles of SPLITKV_BC keys, SPLITKV_STAGES in flight; 4 warps in WM = Br / 16 groups of
+# 16 packed query rows, each taking a 1/(4/WM) share of every tile's keys. The launcher
+# picks the smallest Br in SPLITKV_ROWS that holds the packed rows (Nq · heads/kv_heads),
+# 64 beyond. splitkv_fwd_tc_m<Br> is the instance for Br.
+SPLITKV_HEAD_DIMS = (64, 128)
+SPLITKV_ROWS = (16, 32, 64)
+SPLITKV_BC = 64
+SPLITKV_STAGES = 3
+SPLITKV_THREADS = 128
+SPLITKV_PAGE_CHUNK = 128     # page ids staged in shared memory at a time
+SPLITKV_PAGE_MULTIPLE = 16   # page sizes the kernels take: multiples of this many rows
+
+
+def splitkv_rows(packed_rows: int) -> int:
+    """Br of the decoding kernel for this many packed query rows per K/V head."""
+    return next((r for r in SPLITKV_ROWS if packed_rows <= r), SPLITKV_ROWS[-1])
 
 
 TC_BWD_THREADS = 256
@@ -167,6 +188,8 @@ def threads(kernel: str, d: int, cc: int) -> int:
         return TC_BWD_THREADS
     if kernel == "flash2_bwd_preprocess_tc":
         return TC_PRE_THREADS
+    if kernel in SOURCES["splitkv_tc.cu"]:
+        return SPLITKV_THREADS
     return REF_THREADS
 
 
@@ -178,11 +201,15 @@ REGISTERS = {
     "sm_90": {"flash2_fwd": 78, "flash2_bwd_preprocess": 32, "flash2_bwd_main": 93,
               "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 253},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 108, 128: 189}},
+              "flash2_fwd_wg": {64: 108, 128: 189}, "kvcache_append": 32,
+              "splitkv_fwd_tc_m16": {64: 108, 128: 157}, "splitkv_fwd_tc_m32": {64: 128, 128: 188},
+              "splitkv_fwd_tc_m64": {64: 153, 128: 212}, "splitkv_combine": 36},
     "sm_80": {"flash2_fwd": 56, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 64,
               "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 222, 128: 187},
               "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 239},
-              "flash2_bwd_tc_det": {64: 224, 128: 242}},
+              "flash2_bwd_tc_det": {64: 224, 128: 242}, "kvcache_append": 34,
+              "splitkv_fwd_tc_m16": {64: 107, 128: 154}, "splitkv_fwd_tc_m32": {64: 123, 128: 183},
+              "splitkv_fwd_tc_m64": {64: 151, 128: 208}, "splitkv_combine": 36},
 }
 
 
@@ -230,7 +257,11 @@ def instances(source: str | None = None) -> list[Instance]:
         if source is not None and src != source:
             continue
         for k in names:
-            if src in ("flash2_tc.cu", "flash2_wg.cu"):
+            if src == "splitkv_tc.cu":
+                for dt in TC_DTYPES:
+                    for D in SPLITKV_HEAD_DIMS:
+                        out.append(_splitkv_instance(k, dt, D))
+            elif src in ("flash2_tc.cu", "flash2_wg.cu"):
                 for dt in TC_DTYPES:
                     for D in TC_HEAD_DIMS:
                         out.append(Instance(src, k, dt, D, f"{k}<{CUDA_TYPES[dt]}, {D}>",
@@ -240,6 +271,25 @@ def instances(source: str | None = None) -> list[Instance]:
                     out.append(Instance(src, k, dt, None, f"{k}<{CUDA_TYPES[dt]}>",
                                         f"_Z{len(k)}{k}I{_MANGLED_T[dt]}E"))
     return out
+
+
+def _splitkv_instance(k: str, dt: str, D: int) -> Instance:
+    src, T, mT = "splitkv_tc.cu", CUDA_TYPES[dt], _MANGLED_T[dt]
+    if k.startswith("splitkv_fwd_tc_m"):
+        WM = int(k.rsplit("_m", 1)[1]) // 16
+        return Instance(src, k, dt, D, f"splitkv_fwd_tc<{T}, {D}, {WM}>",
+                        f"_Z14splitkv_fwd_tcI{mT}Li{D}ELi{WM}EE")
+    return Instance(src, k, dt, D, f"{k}<{T}, {D}>", f"_Z{len(k)}{k}I{mT}Li{D}EE")
+
+
+@functools.lru_cache(maxsize=None)
+def instance(kernel: str, dtype: str, D: int | None) -> Instance:
+    """The instance of ``kernel`` for this dtype (and head dim, where it is a template
+    argument), with its source and NVRTC name expression."""
+    for i in instances():
+        if i.kernel == kernel and i.dtype == dtype and i.D == D:
+            return i
+    raise KeyError(f"no instance of {kernel} for dtype={dtype}, D={D}")
 
 
 def kernel_dir() -> Path:
@@ -262,6 +312,7 @@ def io_counters() -> tuple[tuple[str, str], ...]:
     cannot drift apart)."""
     text = (kernel_dir() / "common.cuh").read_text()
     body = re.search(r"enum\s+IoCounter\s*\{(.*?)\}", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
     names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
     out = []
     for n in names:
@@ -295,6 +346,12 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
+    if kernel.startswith("splitkv_fwd_tc_m"):
+        # Q_i; K_j, V_j in STAGES; staged page ids; each key group's m, ℓ and weight
+        # per row (the merge's O reuses the K/V stages)
+        WN = SPLITKV_THREADS // 32 // (Br // 16)
+        return ((Br * d + 2 * SPLITKV_STAGES * Bc * d) * 2 + SPLITKV_PAGE_CHUNK * 4
+                + 3 * WN * Br * 4)
     return 0
 
 

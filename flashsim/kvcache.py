@@ -18,7 +18,9 @@ bottom right of that (query position s sees key c iff c ≤ s + L_b − Nq).
 The schedule and its counts (per sequence b and K/V head; summed over both):
 
 - **Append**: each new row is read once from k, v ("Knew", "Vnew") and written once into
-  the cache (K, V writes), before the attention reads the cache.
+  the cache (K, V writes), before the attention reads the cache. In a paged cache the
+  append reads the table entry of each page its rows land in once per sequence (one
+  thread block per sequence covers all K/V heads).
 - **GQA packing**: the g = heads / kv_heads query heads of one K/V head are packed into
   the rows of one Q tile (row r of the packed tile is query position r // g, head r mod
   g, FlashAttention's decoding layout), so each K/V tile is read once per K/V head, not
@@ -218,14 +220,23 @@ def _sequence_traffic(lay: CacheLayout, L: int, blocks, band, b: int, s: int) ->
     rows = lay.Nq * lay.g
     shape = Shape(rows, L, lay.d, lay.dv, (lay.kv_heads,), (lay.kv_heads,), (lay.kv_heads,), 1)
     tiles = PackedTiles(rows, L, Br, Bc, band, lay.g)
-    t = count_splitkv(shape, tiles, b, num_splits=s)
-    if lay.Nnew:
-        n = lay.Nnew * lay.kv_heads
-        t = t + Traffic(reads={"Knew": n * lay.d * b, "Vnew": n * lay.dv * b},
-                        writes={"K": n * lay.d * b, "V": n * lay.dv * b})
+    t = count_splitkv(shape, tiles, b, num_splits=s) + _append_traffic(lay, L, b)
     if lay.page_size is not None:
         t = t + Traffic(reads={"block_table": _table_bytes(tiles, s, lay)})
     return t
+
+
+def _append_traffic(lay: CacheLayout, L: int, b: int) -> Traffic:
+    """The append of one sequence that ends with L rows: its Nnew rows read from k, v and
+    written into the cache, and in a paged cache each page they land in looked up once."""
+    if not lay.Nnew:
+        return Traffic()
+    n = lay.Nnew * lay.kv_heads
+    table = 0
+    if lay.page_size is not None:
+        table = 4 * ((L - 1) // lay.page_size - (L - lay.Nnew) // lay.page_size + 1)
+    return Traffic(reads={"Knew": n * lay.d * b, "Vnew": n * lay.dv * b, "block_table": table},
+                   writes={"K": n * lay.d * b, "V": n * lay.dv * b})
 
 
 def _table_bytes(tiles: PackedTiles, s: int, lay: CacheLayout) -> int:
@@ -361,11 +372,7 @@ def simulate_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         O, Lb = run_splitkv(mc, Qb, Kb, Vb, shape, tiles, scores, num_splits=s)
         out[b] = np.moveaxis(O[:, 0].reshape(kv_heads, Nq, g, dv), 1, 0).reshape(Nq, heads, dv)
         lse[b] = Lb[:, 0].reshape(kv_heads, Nq, g).transpose(0, 2, 1).reshape(heads, Nq)
-        t = mc.traffic
-        if Nnew:
-            n = Nnew * kv_heads
-            t = t + Traffic(reads={"Knew": n * d * itemsize, "Vnew": n * dv * itemsize},
-                            writes={"K": n * d * itemsize, "V": n * dv * itemsize})
+        t = mc.traffic + _append_traffic(lay, L, itemsize)
         if paged:
             t = t + Traffic(reads={"block_table": _table_bytes(tiles, s, lay)})
         traffic = traffic + t

@@ -141,6 +141,9 @@ inline void pass_turn(int* turn, int mine) {
 enum IoCounter {
     IO_Q_R, IO_K_R, IO_V_R, IO_O_R, IO_O_W, IO_L_R, IO_L_W,
     IO_dO_R, IO_D_R, IO_D_W, IO_dQacc_R, IO_dQacc_W, IO_dQ_W, IO_dK_W, IO_dV_W,
+    // decoding over a KV cache (splitkv_tc.cu): appended rows, the block table, partials
+    IO_K_W, IO_V_W, IO_Knew_R, IO_Vnew_R, IO_block_table_R,
+    IO_Osplit_R, IO_Osplit_W, IO_Lsplit_R, IO_Lsplit_W,
     IO_NUM_COUNTERS
 };
 

@@ -9,11 +9,18 @@
 // no hardware, and a block that waits on an earlier block (the deterministic backward's
 // turns) finds it finished, or reports the violated order instead of hanging.
 //
-// What it does not model: warps (no shuffles, no warp-synchronous code), timing, the
-// memory model's weaker orderings, inline PTX (kernels guard theirs with FLASHSIM_HOST),
-// and static __shared__ arrays beyond one per kernel instance (fine, as blocks run one at
-// a time). Dynamic shared memory is filled with 0xFF bytes (NaN) before each block, so a
-// read of shared memory the block never wrote shows up in the results.
+// Warp collectives (__shfl_xor_sync, and the mma.sync/ldmatrix stand-ins of warp.cuh)
+// are barriers of the warp's 32 threads: each lane leaves its operands in the warp's
+// exchange slots and sleeps until every lane of the warp has arrived, then reads what
+// the others left. A collective reached by only some lanes (divergence), or while other
+// lanes wait at __syncthreads or have returned, is reported as an error.
+//
+// What it does not model: timing, the memory model's weaker orderings, the asynchrony
+// of cp.async (the copy happens when issued, so a read before its wait is not caught),
+// inline PTX (kernels guard theirs with FLASHSIM_HOST), and static __shared__ arrays
+// beyond one per kernel instance (fine, as blocks run one at a time). Dynamic shared
+// memory is filled with 0xFF bytes (NaN) before each block, so a read of shared memory
+// the block never wrote shows up in the results.
 #pragma once
 
 #include <cuda_fp16.h>   // __half and __nv_bfloat16 have host implementations
@@ -73,14 +80,23 @@ namespace emu {
 
 struct Fiber {
     ucontext_t ctx;
-    bool done = false, waiting = false;
+    bool done = false, waiting = false;   // returned; waiting at __syncthreads
+    bool at_warp = false;                 // waiting at a warp collective
+    unsigned collectives = 0;             // warp collectives passed (picks the slot set)
 };
+
+// Each warp's exchange slots: two sets, used by alternate collectives, so that a lane
+// entering the next collective cannot overwrite what a slower lane has yet to read from
+// this one (a lane can be at most one collective ahead of any other of its warp).
+constexpr int SLOT_BYTES = 64;
+struct WarpSlots { alignas(16) unsigned char lane[2][32][SLOT_BYTES]; };
 
 struct Block {
     ucontext_t scheduler;
     std::vector<Fiber> fibers;
     std::vector<std::vector<char>> stacks;
     std::function<void()> body;
+    std::vector<WarpSlots> warps;
     int current = 0;
 };
 
@@ -102,6 +118,24 @@ inline void syncthreads() {
     swapcontext(&b.fibers[b.current].ctx, &b.scheduler);
 }
 
+// A warp collective: leave `bytes` of `mine` in this lane's slot, wait for the warp, and
+// return the warp's slots (slot l holds lane l's operands).
+inline const unsigned char (*warp_exchange(const void* mine, size_t bytes))[SLOT_BYTES] {
+    Block& b = block();
+    Fiber& f = b.fibers[b.current];
+    const int warp = b.current / 32, lane = b.current % 32, set = f.collectives++ & 1;
+    std::memcpy(b.warps[warp].lane[set][lane], mine, bytes);
+    f.at_warp = true;
+    swapcontext(&f.ctx, &b.scheduler);
+    return b.warps[warp].lane[set];
+}
+
+template <typename V> inline V lane_value(const unsigned char (*slots)[SLOT_BYTES], int l) {
+    V v;
+    std::memcpy(&v, slots[l], sizeof(V));
+    return v;
+}
+
 constexpr size_t STACK_BYTES = 256 * 1024;
 
 // Run one block of `threads` threads, each calling body() with its threadIdx set.
@@ -119,17 +153,35 @@ inline void run_block(unsigned threads, const std::function<void()>& body) {
         f.ctx.uc_link = &b.scheduler;
         makecontext(&f.ctx, fiber_main, 0);
     }
+    b.warps.resize((threads + 31) / 32);
     for (;;) {
-        bool live = false;
         for (unsigned t = 0; t < threads; ++t) {
             Fiber& f = b.fibers[t];
-            if (f.done || f.waiting) continue;
+            if (f.done || f.waiting || f.at_warp) continue;
             b.current = (int)t;
             threadIdx = dim3{t % blockDim.x, (t / blockDim.x) % blockDim.y,
                              t / (blockDim.x * blockDim.y)};
             swapcontext(&b.scheduler, &f.ctx);
         }
-        for (Fiber& f : b.fibers) {   // every thread has returned or waits: open the barrier
+        // every thread has returned or waits: first release the warps whose lanes all
+        // reached a collective, then, when none is left, open the block's barrier
+        bool released = false;
+        for (unsigned w0 = 0; w0 < threads; w0 += 32) {
+            const unsigned w1 = w0 + 32 < threads ? w0 + 32 : threads;
+            unsigned at = 0;
+            for (unsigned t = w0; t < w1; ++t) at += b.fibers[t].at_warp;
+            if (at == 0) continue;
+            if (at != w1 - w0)
+                fail("warp " + std::to_string(w0 / 32) + ": " + std::to_string(at) +
+                     " of its lanes reached a warp collective (shuffle, ldmatrix, mma) "
+                     "while the others had returned or waited at __syncthreads; a warp "
+                     "collective needs all its lanes");
+            for (unsigned t = w0; t < w1; ++t) b.fibers[t].at_warp = false;
+            released = true;
+        }
+        if (released) continue;
+        bool live = false;
+        for (Fiber& f : b.fibers) {
             if (!f.done) live = true;
             f.waiting = false;
         }
@@ -158,6 +210,13 @@ struct Registered {
 }  // namespace emu
 
 inline void __syncthreads() { emu::syncthreads(); }
+
+// __shfl_xor_sync over the full warp (the only mask the kernels use)
+template <typename V> inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask) {
+    if (mask != 0xffffffffu) emu::fail("__shfl_xor_sync: only the full-warp mask is emulated");
+    auto slots = emu::warp_exchange(&v, sizeof(V));
+    return emu::lane_value<V>(slots, (emu::block().current % 32) ^ lane_mask);
+}
 
 #define FLASHSIM_EMU_CAT2(a, b) a##b
 #define FLASHSIM_EMU_CAT(a, b) FLASHSIM_EMU_CAT2(a, b)

@@ -5,6 +5,7 @@
 
 #include "common.cuh"
 
+#ifndef FLASHSIM_HOST
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -31,6 +32,20 @@ __device__ __forceinline__ float ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+#else
+// The CPU emulation (host_emu.h): the copy happens at once, and 2^x flushes what the
+// GPU's ex2.approx.ftz flushes
+inline void cp_async16(void* dst, const void* src, bool valid) {
+    if (valid) std::memcpy(dst, src, 16);
+    else std::memset(dst, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+inline float ex2(float x) {
+    const float y = std::exp2(x);
+    return y < 1.17549435e-38f ? 0.0f : y;
+}
+#endif
 
 // (lo, hi) rounded to T and packed into one register, lo in the low half: the layout of
 // an MMA operand pair

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not EMULATED, reason="no C++20 compiler or CUDA 
                                 "for the CPU emulation")
 
 import test_gpu as G   # noqa: E402  (tests/ is on sys.path: the checks are shared)
+import test_kvcache_gpu as KV   # noqa: E402
 
 # bfloat16 travels as PyTorch CPU tensors (NumPy has no bfloat16)
 DTYPES = ["float16", "float32", "float64"] + (["bfloat16"] if importlib.util.find_spec("torch")
@@ -181,3 +182,25 @@ def test_the_reference_fallback_warns_once_per_reason():
             warnings.simplefilter("error")
             f2._warn_reference("bfloat16", "a test reason")      # once
             f2._warn_reference("float32", "another reason")      # not a fast dtype
+
+
+# -- decoding over a KV cache: splitkv_tc.cu's tensor-core kernels, lane by lane ----------
+
+@EMU
+@given(KV.kvcache_problems(dtypes=DTYPES[:1] + DTYPES[3:], max_len=200))
+def test_kvcache_matches_simulator(problem):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        KV.check_kvcache(problem)
+
+
+@pytest.mark.parametrize("Nq,g", [(1, 8), (4, 4), (3, 8)])
+def test_kvcache_tile_shapes(monkeypatch, Nq, g):
+    G.poison_outputs(monkeypatch)
+    plan = KV.check_kvcache(dict(dtype="float16", d=64, batch=1, Nq=Nq, kv_heads=2, g=g,
+                                 page=16, lens=[600], Nnew=2, causal=True, splits=2, seed=g))
+    assert plan.block_sizes[0] == fs.kernels.splitkv_rows(Nq * g)
+
+
+def test_kvcache_bad_input(monkeypatch):
+    KV.check_bad_input(monkeypatch)

@@ -42,8 +42,9 @@ def test_every_kernel_compiles_without_spills(arch):
     rows = built(arch)
     expected = {(i.kernel, i.dtype, i.D, inst) for i in kernels.instances()
                 for inst in (False, True) if kernels.source_arch(i.source, arch)}
-    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2; wg (sm_90a only): 1 × 2 × 2
-    assert len(expected) == 2 * (4 * 4 + 4 * 4 + (4 if arch == "sm_90" else 0))
+    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2; wg (sm_90a only): 1 × 2 × 2;
+    # decoding: 5 × 2 × 2
+    assert len(expected) == 2 * (4 * 4 + 4 * 4 + (4 if arch == "sm_90" else 0) + 5 * 4)
     assert {(r.kernel, r.dtype, r.D, r.instrumented) for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
     # neither build touches local memory: the instrumented kernels count their traffic
@@ -89,6 +90,8 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
             Br, Bc = kernels.tc_blocks(d, cc // 10)
         elif r.kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
             Br, Bc = kernels.tc_bwd_blocks(d, cc // 10)
+        elif r.kernel.startswith("splitkv_fwd_tc_m"):
+            Br, Bc = int(r.kernel.rsplit("_m", 1)[1]), kernels.SPLITKV_BC
         else:
             Br, Bc = kernels.default_block_sizes(d, d, r.dtype, hw.smem_per_block,
                                                  r.kernel == "flash2_bwd_main")

@@ -27,7 +27,8 @@ forward on Hopper's warpgroup MMAs, compute capability 9.0 only).
 from ._device import (GPUUnavailableError, INSTALL_HINT, THREADS, available, compile_options,
                       emulated, is_emulated, smem_limit)
 from .flash2 import KERNELS, attention, attention_backward, block_sizes
+from .decode import KVCachePlan, attention_with_kvcache, kvcache_plan
 
-__all__ = ["GPUUnavailableError", "INSTALL_HINT", "KERNELS", "THREADS", "attention",
-           "attention_backward", "available", "block_sizes", "compile_options", "emulated",
-           "is_emulated", "smem_limit"]
+__all__ = ["GPUUnavailableError", "INSTALL_HINT", "KERNELS", "KVCachePlan", "THREADS",
+           "attention", "attention_backward", "attention_with_kvcache", "available", "block_sizes", "compile_options", "emulated",
+           "is_emulated", "kvcache_plan", "smem_limit"]

@@ -209,13 +209,8 @@ def kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
 
 @functools.lru_cache(maxsize=None)
 def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int):
-    if name in K.SOURCES["flash2_tc.cu"]:
-        source, expr = "flash2_tc.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
-    elif name in K.SOURCES["flash2_wg.cu"]:
-        source, expr = "flash2_wg.cu", f"{name}<{K.CUDA_TYPES[dtype]}, {D}>"
-    else:
-        source, expr = "flash2_ref.cu", f"{name}<{K.CUDA_TYPES[dtype]}>"
-    return module(source, count_io, device).get_function(expr)
+    inst = K.instance(name, dtype, D)
+    return module(inst.source, count_io, device).get_function(inst.expr)
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,6 +240,9 @@ def launch(cp, kernel, grid, smem: int, args, threads: int = THREADS):
         return
     if grid[1] > GRID_Y_MAX:
         raise ValueError(f"{grid[1]} (batch × heads) problems exceed the grid's y limit "
+                         f"{GRID_Y_MAX}; split the batch")
+    if len(grid) > 2 and grid[2] > GRID_Y_MAX:
+        raise ValueError(f"{grid[2]} (batch × kv_heads) problems exceed the grid's z limit "
                          f"{GRID_Y_MAX}; split the batch")
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem

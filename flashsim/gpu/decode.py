@@ -1,0 +1,271 @@
+"""Decoding over a KV cache on the GPU: flashsim.kvcache's schedule (append, split-KV
+attention with the query heads of a K/V head packed into one tile's rows, combine) run by
+splitkv_tc.cu, counted byte for byte as the simulator counts it.
+
+    out, lse = fs.gpu.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                             block_table=table, k=k_new, v=v_new)
+    plan = fs.gpu.kvcache_plan(q, k_cache, cache_seqlens=lens, block_table=table)
+    fs.simulate_kvcache(..., block_sizes=plan.block_sizes, num_splits=plan.num_splits)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kernels as K
+from ..kvcache import make_layout, num_splits_heuristic
+from ..problem import check_scale, check_size
+from ..tiling import cdiv
+from . import _arrays as arrays, _device as dev
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """How `attention_with_kvcache` runs these inputs: the kernel, its tile (Br packed
+    query rows, Bc keys), the K/V splits per Q tile, and the thread blocks of the split
+    kernel's grid (splits × Q tiles × batch · kv_heads). Pass ``block_sizes`` and
+    ``num_splits`` to `flashsim.simulate_kvcache` to predict the kernels' traffic."""
+    kernel: str
+    block_sizes: tuple[int, int]
+    num_splits: int
+    grid: tuple[int, int, int]
+
+
+def _host_ints(x, name: str) -> np.ndarray:
+    """An integer array's values on the host (checked before any launch)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        x = dev.cupy().asnumpy(x)
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers (int32), got dtype {a.dtype}")
+    return a
+
+
+def _cache(x, name: str) -> arrays.In:
+    """A cache array, used in place: it must be contiguous, as the append writes into it."""
+    if type(x).__module__.split(".")[0] == "torch":
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the append writes into it in place")
+    elif hasattr(x, "flags") and not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous: the append writes into it in place")
+    return arrays.In(x, name)
+
+
+@dataclass
+class _Problem:
+    q: arrays.In
+    kc: arrays.In
+    vc: arrays.In
+    kn: arrays.In | None
+    vn: arrays.In | None
+    batch: int
+    Nq: int
+    heads: int
+    kv_heads: int
+    d: int
+    Nnew: int
+    seqlens: np.ndarray          # rows before the append (host)
+    table: np.ndarray | None     # the block table (host), or None for a contiguous cache
+    page_rows: int
+
+
+def _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v) -> _Problem:
+    qi = arrays.In(q, "q")
+    kc, vc = _cache(k_cache, "k_cache"), _cache(v_cache, "v_cache")
+    for name, x in (("q", qi), ("k_cache", kc), ("v_cache", vc)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must have 4 axes, got shape {x.shape}: q is (batch, Nq, "
+                             "heads, d); the caches (batch, capacity, kv_heads, d), or "
+                             "(num_pages, page_size, kv_heads, d) with block_table")
+    batch, Nq, heads, d = qi.shape
+    if not (qi.dtype == kc.dtype == vc.dtype):
+        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {qi.dtype}, "
+                        f"{kc.dtype}, {vc.dtype}")
+    if kc.shape != vc.shape:
+        raise ValueError(f"k_cache {kc.shape} and v_cache {vc.shape} must have one shape "
+                         "(the kernels take dv = d)")
+    if kc.shape[3] != d:
+        raise ValueError(f"k_cache's last axis is {kc.shape[3]}; q's d is {d}")
+    if qi.dtype not in K.TC_DTYPES or d not in K.SPLITKV_HEAD_DIMS:
+        raise ValueError(f"the decoding kernels take float16 or bfloat16 with d in "
+                         f"{K.SPLITKV_HEAD_DIMS}; got {qi.dtype}, d={d} (fs.simulate_kvcache "
+                         "runs any)")
+    kv_heads = kc.shape[2]
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v to append, or neither")
+    kn = vn = None
+    Nnew = 0
+    if k is not None:
+        kn, vn = arrays.In(k, "k"), arrays.In(v, "v")
+        want = (batch, kn.shape[1] if len(kn.shape) == 4 else -1, kv_heads, d)
+        if kn.shape != want or vn.shape != want:
+            raise ValueError(f"k, v must be (batch={batch}, Nnew, kv_heads={kv_heads}, d={d}); "
+                             f"got {kn.shape} and {vn.shape}")
+        if kn.dtype != qi.dtype or vn.dtype != qi.dtype:
+            raise TypeError(f"k, v must have q's dtype {qi.dtype}, got {kn.dtype}, {vn.dtype}")
+        Nnew = kn.shape[1]
+    seqlens = _host_ints(cache_seqlens, "cache_seqlens")
+    paged = block_table is not None
+    table = _host_ints(block_table, "block_table") if paged else None
+    if paged:
+        page_rows = kc.shape[1]
+        if page_rows % K.SPLITKV_PAGE_MULTIPLE:
+            raise ValueError(f"page size {page_rows} (k_cache.shape[1]) must be a multiple of "
+                             f"{K.SPLITKV_PAGE_MULTIPLE} rows")
+    else:
+        page_rows = kc.shape[1]
+        if kc.shape[0] != batch:
+            raise ValueError(f"a contiguous cache has one row of pages per sequence: k_cache's "
+                             f"first axis is {kc.shape[0]}, q's batch is {batch} (give "
+                             "block_table for a paged cache)")
+    # the simulator's checks and messages: sizes, GQA, lengths, capacity, table range
+    make_layout(batch=batch, Nq=Nq, heads=heads, kv_heads=kv_heads, d=d,
+                cache_seqlens=seqlens, Nnew=Nnew,
+                capacity=None if paged else kc.shape[1],
+                page_size=page_rows if paged else None,
+                num_pages=kc.shape[0], block_table=table)
+    if max(int(seqlens.max()) + Nnew, 0) >= 2**31 or kc.arr.size >= 2**62:
+        raise ValueError("cache lengths must fit in int32")
+    return _Problem(qi, kc, vc, kn, vn, batch, Nq, heads, kv_heads, d, Nnew,
+                    seqlens.astype(np.int64), table, page_rows)
+
+
+def _write_back(cp, user, arr):
+    """Where the kernels appended into a device copy of the user's cache (a NumPy array,
+    or a CPU tensor on a GPU), copy the result back so the append lands in place."""
+    if dev.pointer(arr) == _address(user):
+        return
+    host = cp.asnumpy(arr)
+    if type(user).__module__.split(".")[0] == "torch":
+        import torch
+        t = torch.from_numpy(host)
+        user.copy_(t.view(torch.bfloat16) if user.dtype == torch.bfloat16 else t)
+    else:
+        user[...] = host.view(user.dtype).reshape(user.shape)
+
+
+def _address(x) -> int | None:
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.data_ptr()
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data
+    if hasattr(x, "__cuda_array_interface__"):
+        return x.__cuda_array_interface__["data"][0]
+    return None
+
+
+def _num_sms() -> int:
+    cp = dev.cupy()
+    if dev.is_emulated():
+        from ..hardware import H100    # plan as an H100 would: splits the tests can see
+        return H100.num_sms
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return int(props["multiProcessorCount"])
+
+
+def _plan(pr: _Problem, num_splits) -> KVCachePlan:
+    G = pr.heads // pr.kv_heads
+    M = pr.Nq * G
+    Br, Bc = K.splitkv_rows(M), K.SPLITKV_BC
+    name = f"splitkv_fwd_tc_m{Br}"
+    Tr = cdiv(M, Br)
+    if num_splits is None:
+        smem = K.smem_bytes(name, Br, Bc, pr.d, pr.d, pr.q.dtype)
+        per_sm = max(1, K.ctas_per_sm(threads=K.SPLITKV_THREADS,
+                                      registers=K.registers(name, pr.d, 90), smem=smem))
+        longest = int((pr.seqlens + pr.Nnew).max())
+        s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, _num_sms(), cdiv(longest, Bc),
+                                 ctas_per_sm=per_sm)
+    else:
+        s = check_size("num_splits", num_splits, 1)
+        if s > 65535:
+            raise ValueError(f"num_splits must be at most 65535, got {s}")
+    return KVCachePlan(name, (Br, Bc), s, (s, Tr, pr.batch * pr.kv_heads))
+
+
+def kvcache_plan(q, k_cache, v_cache=None, *, cache_seqlens, block_table=None, k=None,
+                 v=None, num_splits=None) -> KVCachePlan:
+    """The `KVCachePlan` that `attention_with_kvcache` follows for these inputs."""
+    pr = _problem(q, k_cache, k_cache if v_cache is None else v_cache, cache_seqlens,
+                  block_table, k, k if v is None else v)
+    return _plan(pr, num_splits)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None,
+                           v=None, causal: bool = False, scale=None, num_splits=None,
+                           count_io: bool = False):
+    """One decoding step on the GPU, FlashAttention's ``flash_attn_with_kvcache``: append
+    k, v (if given) into the cache in place at rows cache_seqlens[b] …, then attend q over
+    each sequence's cache_seqlens[b] + Nnew rows. Returns (out, lse), or (out, lse,
+    traffic) with ``count_io=True``; out is (batch, Nq, heads, d) in q's dtype, lse
+    (batch, heads, Nq) fp32.
+
+    Layouts and semantics are `flashsim.simulate_kvcache`'s: q (batch, Nq, heads, d); the
+    caches (batch, capacity, kv_heads, d), or paged (num_pages, page_size, kv_heads, d)
+    with ``block_table`` (batch, max_pages) int32; ``causal`` aligned to the bottom right.
+    float16 or bfloat16, d ∈ {64, 128}, page sizes a multiple of 16. ``num_splits``: K/V
+    splits per Q tile (None: the occupancy heuristic for this GPU, `kvcache_plan`).
+    The caches must be contiguous device arrays (or PyTorch CUDA tensors) for the append
+    to land in them; NumPy caches are copied to the device, appended there, and the
+    rows copied back."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    with arrays.stream(q):
+        pr = _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+        plan = _plan(pr, num_splits)
+        return _run(pr, plan, bool(causal), check_scale(scale, pr.d), count_io,
+                    (k_cache, v_cache))
+
+
+def _run(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: bool,
+         caches):
+    cp = dev.cupy()
+    dtype, D = pr.q.dtype, pr.d
+    i32 = np.int32
+    io = dev.counters(cp, count_io)
+    table = (cp.asarray(np.ascontiguousarray(pr.table, np.int32)) if pr.table is not None
+             else np.uint64(0))
+    max_pages = pr.table.shape[1] if pr.table is not None else 1
+    num_pages = pr.kc.shape[0]
+    before = cp.asarray(pr.seqlens.astype(np.int32))
+    total = cp.asarray((pr.seqlens + pr.Nnew).astype(np.int32))
+    if pr.Nnew:
+        dev.launch(cp, dev.kernel("kvcache_append", dtype, count_io, D), (pr.batch, 1), 0,
+                   (pr.kn.arr, pr.vn.arr, pr.kc.arr, pr.vc.arr, table, before, i32(pr.Nnew),
+                    i32(pr.kv_heads), i32(pr.page_rows), i32(max_pages), i32(num_pages), io),
+                   threads=K.SPLITKV_THREADS)
+        for user, arr in zip(caches, (pr.kc.arr, pr.vc.arr)):
+            _write_back(cp, user, arr)
+    s, Tr, Z = plan.grid
+    Br, Bc = plan.block_sizes
+    M = pr.Nq * (pr.heads // pr.kv_heads)
+    st = arrays.storage(cp, dtype)
+    as_torch = pr.q.torch
+    O = arrays.empty(cp, (pr.batch, pr.Nq, pr.heads, D), st, dtype if as_torch else None)
+    L = arrays.empty(cp, (pr.batch, pr.heads, pr.Nq), cp.float32, "float32" if as_torch else None)
+    if s > 1:
+        Osplit = arrays.empty(cp, (s, Z, M, D), cp.float32)
+        Lsplit = arrays.empty(cp, (s, Z, M), cp.float32)
+    else:
+        Osplit = Lsplit = np.uint64(0)
+    smem = K.smem_bytes(plan.kernel, Br, Bc, D, D, dtype)
+    dev.launch(cp, dev.kernel(plan.kernel, dtype, count_io, D), plan.grid, smem,
+                (pr.q.arr, pr.kc.arr, pr.vc.arr, table, total, O, L, Osplit, Lsplit,
+                 i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads), i32(pr.page_rows),
+                 i32(max_pages), i32(num_pages), i32(causal), np.float32(scale),
+                 np.float32(scale * math.log2(math.e)), io), threads=K.SPLITKV_THREADS)
+    if s > 1:
+        dev.launch(cp, dev.kernel("splitkv_combine", dtype, count_io, D), (Tr, Z), 0,
+                   (Osplit, Lsplit, total, O, L, i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads),
+                    i32(Br), i32(causal), i32(s), io), threads=K.SPLITKV_THREADS)
+    out = arrays.out(cp, O, dtype, as_torch)
+    lse = arrays.out(cp, L, "float32", as_torch)
+    return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
+
+
+__all__ = ["KVCachePlan", "attention_with_kvcache", "kvcache_plan"]

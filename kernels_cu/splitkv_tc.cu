@@ -1,0 +1,460 @@
+// splitkv_tc.cu: decoding over a KV cache (flashsim.kvcache's schedule) on tensor cores.
+// A few query rows per sequence meet a long cache: the work is reading K and V once, so
+// the kernels are built to keep the memory busy, and they count what they move exactly
+// as the simulator does (-DFLASHSIM_COUNT_IO).
+//
+// Kernels in this file, each a rung over the last:
+//   kvcache_append<T, D>       new rows k, v (batch, Nnew, kv_heads, D) written into the
+//                              cache at rows cache_seqlens[b] … + Nnew − 1, through the
+//                              block table when the cache is paged; one CTA per sequence,
+//                              each page's table entry read once.
+//   splitkv_fwd_tc<T, D, WM>   split-KV attention of the packed query rows over the
+//                              cache (flash2's inner loop per part, mma.sync m16n8k16):
+//                              - the g = heads / kv_heads query heads of a K/V head packed
+//                                into the rows of one Q tile (row r: position r / g, head
+//                                r mod g), so each K/V tile is read once per K/V head;
+//                              - grid (num_splits, Q tiles, batch · kv_heads): part p of
+//                                Q tile i covers K/V tiles ⌊p·n/s⌋ … ⌊(p+1)·n/s⌋ − 1 of
+//                                its n, as flashsim.splitkv.split_bounds cuts them;
+//                              - 4 warps as WM row groups of 16 × (4 / WM) key groups: at
+//                                decoding's few rows (WM = 1, Br = 16) every warp takes a
+//                                quarter of each K/V tile's keys with its own online
+//                                softmax, and the four are merged through shared memory
+//                                at the end; Br = 32 and 64 for more packed rows;
+//                              - K/V tiles of Bc = 64 keys in a STAGES-deep cp.async
+//                                pipeline, rows gathered through the block table (page
+//                                ids staged in shared memory, each read once), swizzled
+//                                for ldmatrix;
+//                              - num_splits = 1 writes O and L directly (flash2); more
+//                                write fp32 partials Osplit, Lsplit for the combine.
+//   splitkv_combine<T, D>      the partials of each Q tile's non-empty parts merged by
+//                              their log-sum-exp into O (I/O type) and L (fp32).
+//
+// Layouts: q and O (batch, Nq, heads, D); L (batch, heads, Nq); the caches (pages,
+// page_rows, kv_heads, D), a contiguous cache being one page of `capacity` rows per
+// sequence; Osplit (s, batch · kv_heads, M, D) and Lsplit (s, batch · kv_heads, M) fp32
+// with M = Nq · g packed rows.
+
+#include "warp.cuh"
+
+namespace skv {
+
+constexpr int WARPS = 4, THREADS = 32 * WARPS;
+constexpr int Bc = 64;                 // keys per K/V tile (kernels.py: SPLITKV_BC)
+constexpr int STAGES = 3;              // K/V tiles in flight (kernels.py: SPLITKV_STAGES)
+constexpr int PAGE_CHUNK = THREADS;    // page ids staged in shared memory at a time
+
+// Element offset of 16-byte chunk c of row r in a swizzled tile of D-wide rows: chunk c
+// of row r sits at chunk c ^ (r & 7), so the 8 rows one ldmatrix reads hit 8 bank groups.
+template <int D> __device__ __forceinline__ int swz(int r, int c) {
+    return r * D + ((c ^ (r & 7)) << 3);
+}
+
+// The K/V tiles [ja, jz) this CTA visits, and the visible keys of its rows.
+struct Part {
+    int ja, jz;        // K/V tiles of this part
+    int n;             // K/V tiles the Q tile visits in all (0: it sees no key)
+};
+// Keys of Q tile rows [i0, i1) (packed, G per position) in a sequence of L keys: all
+// L, or under the causal mask (aligned to the bottom right) c ≤ r / G + L − Nq.
+__device__ __forceinline__ Part part_of(int i0, int i1, int G, int L, int Nq, bool causal,
+                                        int p, int s) {
+    const int c_hi = causal ? min(L - 1, (i1 - 1) / G + L - Nq) : L - 1;
+    const int n = c_hi < 0 ? 0 : c_hi / Bc + 1;
+    return Part{(int)((long long)n * p / s), (int)((long long)n * (p + 1) / s), n};
+}
+
+// Where row `row` of a sequence lives in the cache: page ids come from `pages` (the
+// staged part of the block table, pages[x − base] for page x) or, for a contiguous
+// cache (no table), the sequence's own slot.
+struct Pages {
+    const int* table;     // this sequence's row of the block table, or nullptr
+    int seq, page_rows, num_pages;
+    int* staged;          // shared: page ids of pages base … base + PAGE_CHUNK − 1
+    int base;
+    // element offset of cache row `row`, head offset excluded; -1 for a page id out of
+    // range (the launcher checks the table; this keeps a bad one from reading anywhere)
+    __device__ __forceinline__ long long row_offset(int row, int row_stride) const {
+        const int x = row / page_rows;
+        const int pg = table ? staged[x - base] : seq;
+        if (pg < 0 || pg >= num_pages) return -1;
+        return ((long long)pg * page_rows + row % page_rows) * row_stride;
+    }
+};
+
+}  // namespace skv
+
+// -- append -----------------------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(skv::THREADS)
+kvcache_append(const T* __restrict__ Knew, const T* __restrict__ Vnew, T* __restrict__ Kc,
+               T* __restrict__ Vc, const int* __restrict__ block_table,
+               const int* __restrict__ cache_seqlens, int Nnew, int kv_heads, int page_rows,
+               int max_pages, int num_pages, unsigned long long* io) {
+    using namespace skv;
+    __shared__ int page;
+    const int b = blockIdx.x;
+    const int s0 = cache_seqlens[b];
+    const long long row_stride = (long long)kv_heads * D;
+    constexpr int CH = D * (int)sizeof(T) / 16;          // 16-byte chunks per head row
+    const int first = s0 / page_rows, last = (s0 + Nnew - 1) / page_rows;
+    if (Nnew <= 0) return;
+    COUNT_IO(io, IO_Knew_R, (long long)Nnew * row_stride * sizeof(T));  // HBM→SRAM: k
+    COUNT_IO(io, IO_Vnew_R, (long long)Nnew * row_stride * sizeof(T));  // HBM→SRAM: v
+    COUNT_IO(io, IO_K_W, (long long)Nnew * row_stride * sizeof(T));     // SRAM→HBM: K rows
+    COUNT_IO(io, IO_V_W, (long long)Nnew * row_stride * sizeof(T));     // SRAM→HBM: V rows
+    if (block_table != nullptr)
+        COUNT_IO(io, IO_block_table_R, (long long)(last - first + 1) * 4);
+    for (int x = first; x <= last; ++x) {
+        // one read of the page's table entry, shared by the CTA
+        if (threadIdx.x == 0) page = block_table ? block_table[(long long)b * max_pages + x] : b;
+        __syncthreads();
+        const int pg = page;
+        const int r0 = max(s0, x * page_rows), r1 = min(s0 + Nnew, (x + 1) * page_rows);
+        if (pg >= 0 && pg < num_pages) {
+            const long long n = (long long)(r1 - r0) * kv_heads * CH;
+            for (long long e = threadIdx.x; e < n; e += THREADS) {
+                const int row = r0 + (int)(e / (kv_heads * CH));
+                const long long within = e % (kv_heads * CH);    // head · CH + chunk
+                const long long src = ((long long)b * Nnew + (row - s0)) * row_stride * sizeof(T) / 16 + within;
+                const long long dst = ((long long)pg * page_rows + row % page_rows) * row_stride * sizeof(T) / 16 + within;
+                reinterpret_cast<uint4*>(Kc)[dst] = reinterpret_cast<const uint4*>(Knew)[src];
+                reinterpret_cast<uint4*>(Vc)[dst] = reinterpret_cast<const uint4*>(Vnew)[src];
+            }
+        }
+        __syncthreads();    // `page` is rewritten for the next page
+    }
+}
+
+// -- split-KV attention --------------------------------------------------------------------
+
+// two CTAs per SM (their K/V stages fit beside each other): the bound lets ptxas use up
+// to 255 registers, where left to itself it capped the 32-row tile at 168 and spilled
+template <typename T, int D, int WM>
+__global__ void __launch_bounds__(skv::THREADS, 2)
+splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
+               const int* __restrict__ block_table, const int* __restrict__ seqlens,
+               T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
+               float* __restrict__ Lsplit, int Nq, int heads, int kv_heads, int page_rows,
+               int max_pages, int num_pages, int causal, float scale, float scale_log2,
+               unsigned long long* io) {
+    using namespace skv;
+    constexpr int WN = WARPS / WM;            // key groups: each warp's share of a tile
+    constexpr int KW = Bc / WN;               // keys per warp per tile (16, 32 or 64)
+    constexpr int NT = KW / 8;                // its n-tiles of S
+    constexpr int Br = 16 * WM;               // packed query rows per Q tile
+    constexpr int CH = D / 8;                 // 16-byte chunks per row
+    constexpr int RPI = THREADS / CH;         // rows per load pass
+    static_assert(KW % 16 == 0, "each warp's keys must be whole k-steps of P V");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);                   // Br · D
+    T* sK = sQ + Br * D;                                      // STAGES · Bc · D
+    T* sV = sK + STAGES * Bc * D;                             // STAGES · Bc · D
+    int* sPage = reinterpret_cast<int*>(sV + STAGES * Bc * D);        // PAGE_CHUNK
+    float* sM = reinterpret_cast<float*>(sPage + PAGE_CHUNK);        // WN · Br
+    float* sL = sM + WN * Br;                                        // WN · Br
+    float* sW = sL + WN * Br;                                        // WN · Br
+    float* sO = reinterpret_cast<float*>(sK);   // WN · Br · D, over the K/V tiles at the end
+
+    const int s = gridDim.x, p = blockIdx.x, i = blockIdx.y;
+    const int z = blockIdx.z, b = z / kv_heads, kvh = z % kv_heads;
+    const int G = heads / kv_heads, M = Nq * G;
+    const int i0 = i * Br, rows = min(Br, M - i0);
+    const int Lk = seqlens[b];
+    const Part part = part_of(i0, i0 + rows, G, Lk, Nq, causal != 0, p, s);
+    if (s > 1 && part.ja == part.jz) return;        // an empty part: no block, no partial
+
+    const long long row_stride = (long long)kv_heads * D;
+    // packed row r → (position r / G, head kvh·G + r mod G)
+    auto q_offset = [&](int r) {
+        return (((long long)b * Nq + r / G) * heads + kvh * G + r % G) * D;
+    };
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int grp = lane >> 2, tig = lane & 3;
+
+    if (part.ja == part.jz) {    // s == 1 and the tile sees no key: O = 0, L = −∞ (flash2)
+        for (int x = tid; x < rows * D; x += THREADS)
+            O[q_offset(i0 + x / D) + x % D] = from_acc<T>(0.0f);
+        for (int r = tid; r < rows; r += THREADS)
+            L[((long long)b * heads + kvh * G + (i0 + r) % G) * Nq + (i0 + r) / G] = neg_inf<float>();
+        COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));       // SRAM→HBM: O_i (Br·d)
+        COUNT_IO(io, IO_L_W, (long long)rows * 4);                   // SRAM→HBM: L_i (Br)
+        return;
+    }
+
+    const int key_a = part.ja * Bc, key_z = min(Lk, part.jz * Bc);
+    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
+    COUNT_IO(io, IO_K_R, (long long)(key_z - key_a) * D * sizeof(T));  // HBM→SRAM: K_j, j ∈ part
+    COUNT_IO(io, IO_V_R, (long long)(key_z - key_a) * D * sizeof(T));  // HBM→SRAM: V_j, j ∈ part
+    if (block_table != nullptr)   // each page of the part's keys: its table entry, once
+        COUNT_IO(io, IO_block_table_R, (long long)((key_z - 1) / page_rows - key_a / page_rows + 1) * 4);
+
+    Pages pages{block_table ? block_table + (long long)b * max_pages : nullptr, b, page_rows,
+                num_pages, sPage, 0};
+    int staged_end = key_a / page_rows;          // pages [base, staged_end) are in sPage
+    pages.base = staged_end;
+
+    // Pages of keys [c0, c1) into sPage, keeping the ones already there. Called by every
+    // thread with the same arguments (a uniform branch around its barriers).
+    auto stage_pages = [&](int c0, int c1) {
+        if (!pages.table) return;
+        const int need = (c1 - 1) / page_rows;
+        if (need < staged_end) return;
+        const int base = c0 / page_rows;          // the tile's first page starts the chunk
+        const int x = base + tid;
+        int id = 0;
+        if (x < staged_end) id = sPage[x - pages.base];                  // staged already
+        else if (x <= (key_z - 1) / page_rows) id = pages.table[x];     // HBM→SRAM: table
+        __syncthreads();
+        sPage[tid] = id;
+        pages.base = base;
+        staged_end = min(base + PAGE_CHUNK, (key_z - 1) / page_rows + 1);
+        __syncthreads();
+    };
+
+    // K_j, V_j rows [j·Bc, …) of the sequence into stage `st`; rows past Lk are zeros
+    auto load_kv = [&](int j, int st) {
+        const int c0 = j * Bc;
+        stage_pages(c0, min(Lk, c0 + Bc));
+        T* k = sK + st * Bc * D;
+        T* v = sV + st * Bc * D;
+        const int c = tid % CH, r0 = tid / CH;
+#pragma unroll
+        for (int it = 0; it < Bc / RPI; ++it) {
+            const int r = r0 + it * RPI, key = c0 + r;
+            long long off = key < Lk ? pages.row_offset(key, (int)row_stride) : -1;
+            const bool ok = off >= 0;
+            off = ok ? off + (long long)kvh * D + c * 8 : 0;
+            cp_async16(k + swz<D>(r, c), Kc + off, ok);
+            cp_async16(v + swz<D>(r, c), Vc + off, ok);
+        }
+    };
+
+    // Q_i: packed rows gathered from q, zeros past the last row
+    for (int x = tid; x < Br * CH; x += THREADS) {
+        const int r = x / CH, c = x % CH;
+        const bool ok = r < rows;
+        cp_async16(sQ + swz<D>(r, c), Q + (ok ? q_offset(i0 + r) + c * 8 : 0), ok);
+    }
+    cp_async_commit();
+    const int ntiles = part.jz - part.ja;
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < ntiles) load_kv(part.ja + t, t);
+        cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+
+    // Q_i's A fragments, in registers for the whole loop
+    unsigned qf[D / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const int q = lane >> 3;
+        const int r = wm * 16 + (q & 1) * 8 + (lane & 7);
+        ldmatrix_x4(qf[ks], sQ + swz<D>(r, ks * 2 + (q >> 1)));
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    float m[2] = {neg_inf<float>(), neg_inf<float>()}, l[2] = {0.0f, 0.0f};
+    // the lowest row of the tile sees the fewest keys: tiles wholly below its last
+    // visible key need no mask
+    const int all_see = causal ? min(Lk - 1, i0 / G + Lk - Nq) : Lk - 1;
+    const int row_a = i0 + wm * 16 + grp;          // packed rows of c[0..1] and c[2..3]
+
+    for (int t = 0; t < ntiles; ++t) {
+        const int j = part.ja + t, st = t % STAGES;
+        cp_async_wait<STAGES - 2>();     // tile j has landed (this thread's copies) …
+        __syncthreads();                 // … everyone's, and tile j − 1's stage is free
+        if (t + STAGES - 1 < ntiles) load_kv(j + STAGES - 1, (t + STAGES - 1) % STAGES);
+        cp_async_commit();
+
+        const T* k = sK + st * Bc * D;
+        const T* v = sV + st * Bc * D;
+        // S = Q_i K_jᵀ for this warp's 16 rows and KW keys
+        float sc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                const int q = lane >> 3;
+                const int r = wn * KW + np * 16 + (q >> 1) * 8 + (lane & 7);
+                unsigned kf[4];
+                ldmatrix_x4(kf, k + swz<D>(r, ks * 2 + (q & 1)));
+                mma16816<T>(sc[2 * np], qf[ks], kf);
+                mma16816<T>(sc[2 * np + 1], qf[ks], kf + 2);
+            }
+        }
+        // the mask, in the tiles that cross the sequence's end or the causal edge
+        if ((j + 1) * Bc - 1 > all_see) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = j * Bc + wn * KW + nt * 8 + 2 * tig + (e & 1);
+                    const int r = row_a + 8 * (e >> 1);
+                    const bool sees = key < Lk && (!causal || key <= r / G + Lk - Nq);
+                    if (!sees) sc[nt][e] = neg_inf<float>();
+                }
+        }
+        // online softmax over this warp's keys (rows grp and grp + 8)
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            mx[0] = fmaxf(mx[0], fmaxf(sc[nt][0], sc[nt][1]));
+            mx[1] = fmaxf(mx[1], fmaxf(sc[nt][2], sc[nt][3]));
+        }
+        quad_max(mx[0], mx[1]);
+        float alpha[2], base[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // a row with no visible key yet keeps m = −∞: exponents against 0, P = 0
+            base[h] = is_neg_inf(mx[h]) ? 0.0f : mx[h] * scale_log2;
+            alpha[h] = ex2(m[h] * scale_log2 - base[h]);
+            m[h] = mx[h];
+            l[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            o[nt][0] *= alpha[0]; o[nt][1] *= alpha[0];
+            o[nt][2] *= alpha[1]; o[nt][3] *= alpha[1];
+        }
+        // P (rounded to T) straight into the A fragments of O += P V_j
+#pragma unroll
+        for (int kk = 0; kk < KW / 16; ++kk) {
+            float pv[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    pv[h][e] = ex2(sc[2 * kk + h][e] * scale_log2 - base[e >> 1]);
+                    l[e >> 1] += pv[h][e];
+                }
+            const unsigned pa[4] = {pack<T>(pv[0][0], pv[0][1]), pack<T>(pv[0][2], pv[0][3]),
+                                    pack<T>(pv[1][0], pv[1][1]), pack<T>(pv[1][2], pv[1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                const int q = lane >> 3;
+                const int r = wn * KW + kk * 16 + (q & 1) * 8 + (lane & 7);
+                unsigned vf[4];
+                ldmatrix_x4_trans(vf, v + swz<D>(r, dp * 2 + (q >> 1)));
+                mma16816<T>(o[2 * dp], pa, vf);
+                mma16816<T>(o[2 * dp + 1], pa, vf + 2);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();                     // the K/V stages are free for the merge
+
+    // merge the WN key groups of each row: m, ℓ and the unnormalised O through smem
+    quad_sum(l[0], l[1]);
+    const int lr = wm * 16 + grp;        // local rows lr and lr + 8
+    if (tig == 0) {
+        sM[wn * Br + lr] = m[0];
+        sM[wn * Br + lr + 8] = m[1];
+        sL[wn * Br + lr] = l[0];
+        sL[wn * Br + lr + 8] = l[1];
+    }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int col = nt * 8 + 2 * tig;
+        float* o0 = sO + (wn * Br + lr) * D + col;
+        o0[0] = o[nt][0];
+        o0[1] = o[nt][1];
+        o0[8 * D] = o[nt][2];
+        o0[8 * D + 1] = o[nt][3];
+    }
+    __syncthreads();
+
+    // row r's total: m* = max of the groups' m, ℓ* = Σ_w ℓ_w·2^((m_w − m*)·scale·log2 e);
+    // each group's O weighs 2^((m_w − m*)·scale·log2 e) / ℓ* (0 for a row with no key)
+    const long long slot = ((long long)p * gridDim.z + z) * M;   // this part's partials
+    for (int r = tid; r < rows; r += THREADS) {
+        float mstar = neg_inf<float>();
+#pragma unroll
+        for (int u = 0; u < WN; ++u) mstar = fmaxf(mstar, sM[u * Br + r]);
+        float lsum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < WN; ++u) {
+            const float w = is_neg_inf(mstar) ? 0.0f : ex2((sM[u * Br + r] - mstar) * scale_log2);
+            sW[u * Br + r] = w;
+            lsum += w * sL[u * Br + r];
+        }
+#pragma unroll
+        for (int u = 0; u < WN; ++u) sW[u * Br + r] = lsum > 0.0f ? sW[u * Br + r] / lsum : 0.0f;
+        const float lse = lsum > 0.0f ? mstar * scale + logf(lsum) : neg_inf<float>();
+        if (s == 1) L[((long long)b * heads + kvh * G + (i0 + r) % G) * Nq + (i0 + r) / G] = lse;
+        else Lsplit[slot + i0 + r] = lse;
+    }
+    __syncthreads();
+    for (int x = tid; x < rows * D; x += THREADS) {
+        const int r = x / D, col = x % D;
+        float val = 0.0f;
+#pragma unroll
+        for (int u = 0; u < WN; ++u) val += sW[u * Br + r] * sO[(u * Br + r) * D + col];
+        if (s == 1) O[q_offset(i0 + r) + col] = from_acc<T>(val);
+        else Osplit[(slot + i0 + r) * D + col] = val;
+    }
+    if (s == 1) {
+        COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));       // SRAM→HBM: O_i (Br·d)
+        COUNT_IO(io, IO_L_W, (long long)rows * 4);                   // SRAM→HBM: L_i (Br)
+    } else {
+        COUNT_IO(io, IO_Osplit_W, (long long)rows * D * 4);          // SRAM→HBM: Osplit_ip (fp32)
+        COUNT_IO(io, IO_Lsplit_W, (long long)rows * 4);              // SRAM→HBM: Lsplit_ip (fp32)
+    }
+}
+
+// -- combine ----------------------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(skv::THREADS)
+splitkv_combine(const float* __restrict__ Osplit, const float* __restrict__ Lsplit,
+                const int* __restrict__ seqlens, T* __restrict__ O, float* __restrict__ L,
+                int Nq, int heads, int kv_heads, int Br, int causal, int s,
+                unsigned long long* io) {
+    using namespace skv;
+    const int i = blockIdx.x, z = blockIdx.y, b = z / kv_heads, kvh = z % kv_heads;
+    const int G = heads / kv_heads, M = Nq * G;
+    const int i0 = i * Br, rows = min(Br, M - i0);
+    const int Lk = seqlens[b];
+    const int n = part_of(i0, i0 + rows, G, Lk, Nq, causal != 0, 0, 1).n;
+    auto q_offset = [&](int r) {
+        return (((long long)b * Nq + r / G) * heads + kvh * G + r % G) * D;
+    };
+    auto l_offset = [&](int r) {
+        return ((long long)b * heads + kvh * G + r % G) * Nq + r / G;
+    };
+    int parts = 0;      // the non-empty parts: those whose tile range is not empty
+    for (int p = 0; p < s; ++p) parts += (long long)n * p / s < (long long)n * (p + 1) / s;
+    if (parts > 0) {
+        COUNT_IO(io, IO_Osplit_R, (long long)parts * rows * D * 4);  // HBM→SRAM: Osplit_ip
+        COUNT_IO(io, IO_Lsplit_R, (long long)parts * rows * 4);      // HBM→SRAM: Lsplit_ip
+    }
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));           // SRAM→HBM: O_i
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                       // SRAM→HBM: L_i
+    // L = log Σ_p exp(Lsplit_p), O = Σ_p exp(Lsplit_p − L) Osplit_p, one part at a time
+    for (int x = threadIdx.x; x < rows * D; x += THREADS) {
+        const int r = x / D, col = x % D;
+        float mx = neg_inf<float>(), sum = 0.0f, acc = 0.0f;
+        for (int p = 0; p < s; ++p) {
+            if (!((long long)n * p / s < (long long)n * (p + 1) / s)) continue;
+            const long long row = ((long long)p * gridDim.y + z) * M + i0 + r;
+            const float lp = Lsplit[row];
+            if (is_neg_inf(lp)) continue;     // the part saw no key of this row
+            const float m_new = fmaxf(mx, lp);
+            const float a = is_neg_inf(mx) ? 0.0f : expf(mx - m_new), w = expf(lp - m_new);
+            sum = sum * a + w;
+            acc = acc * a + w * Osplit[row * D + col];
+            mx = m_new;
+        }
+        O[q_offset(i0 + r) + col] = from_acc<T>(sum > 0.0f ? acc / sum : 0.0f);
+        if (col == 0) L[l_offset(i0 + r)] = sum > 0.0f ? mx + logf(sum) : neg_inf<float>();
+    }
+}
