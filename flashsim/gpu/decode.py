@@ -10,6 +10,7 @@ splitkv_tc.cu, counted byte for byte as the simulator counts it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -160,12 +161,17 @@ def _address(x) -> int | None:
 
 
 def _num_sms() -> int:
-    cp = dev.cupy()
     if dev.is_emulated():
         from ..hardware import H100    # plan as an H100 would: splits the tests can see
         return H100.num_sms
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    return int(props["multiProcessorCount"])
+    return _sm_count(dev.cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    # CuPy's getDeviceProperties reads every property (milliseconds): once per device
+    cp = dev.cupy()
+    return int(cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
 def _plan(pr: _Problem, num_splits) -> KVCachePlan:
@@ -225,6 +231,21 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 def _run(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: bool,
          caches):
     cp = dev.cupy()
+    launch, O, L, io = _prepare(pr, plan, causal, scale, count_io)
+    launch()
+    if pr.Nnew:
+        for user, arr in zip(caches, (pr.kc.arr, pr.vc.arr)):
+            _write_back(cp, user, arr)
+    out = arrays.out(cp, O, pr.q.dtype, pr.q.torch)
+    lse = arrays.out(cp, L, "float32", pr.q.torch)
+    return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
+
+
+def _prepare(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: bool):
+    """The launches of one decoding step with every argument ready: (launch, O, L, io).
+    ``launch()`` runs append (if any), split kernel and combine on the current stream;
+    analysis/bench_decode.py times it apart from the Python checks of a call."""
+    cp = dev.cupy()
     dtype, D = pr.q.dtype, pr.d
     i32 = np.int32
     io = dev.counters(cp, count_io)
@@ -234,13 +255,6 @@ def _run(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: 
     num_pages = pr.kc.shape[0]
     before = cp.asarray(pr.seqlens.astype(np.int32))
     total = cp.asarray((pr.seqlens + pr.Nnew).astype(np.int32))
-    if pr.Nnew:
-        dev.launch(cp, dev.kernel("kvcache_append", dtype, count_io, D), (pr.batch, 1), 0,
-                   (pr.kn.arr, pr.vn.arr, pr.kc.arr, pr.vc.arr, table, before, i32(pr.Nnew),
-                    i32(pr.kv_heads), i32(pr.page_rows), i32(max_pages), i32(num_pages), io),
-                   threads=K.SPLITKV_THREADS)
-        for user, arr in zip(caches, (pr.kc.arr, pr.vc.arr)):
-            _write_back(cp, user, arr)
     s, Tr, Z = plan.grid
     Br, Bc = plan.block_sizes
     M = pr.Nq * (pr.heads // pr.kv_heads)
@@ -254,18 +268,27 @@ def _run(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: 
     else:
         Osplit = Lsplit = np.uint64(0)
     smem = K.smem_bytes(plan.kernel, Br, Bc, D, D, dtype)
-    dev.launch(cp, dev.kernel(plan.kernel, dtype, count_io, D), plan.grid, smem,
-                (pr.q.arr, pr.kc.arr, pr.vc.arr, table, total, O, L, Osplit, Lsplit,
-                 i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads), i32(pr.page_rows),
-                 i32(max_pages), i32(num_pages), i32(causal), np.float32(scale),
-                 np.float32(scale * math.log2(math.e)), io), threads=K.SPLITKV_THREADS)
+    steps = []
+    if pr.Nnew:
+        steps.append((dev.kernel("kvcache_append", dtype, count_io, D), (pr.batch, 1), 0,
+                      (pr.kn.arr, pr.vn.arr, pr.kc.arr, pr.vc.arr, table, before, i32(pr.Nnew),
+                       i32(pr.kv_heads), i32(pr.page_rows), i32(max_pages), i32(num_pages),
+                       io)))
+    steps.append((dev.kernel(plan.kernel, dtype, count_io, D), plan.grid, smem,
+                  (pr.q.arr, pr.kc.arr, pr.vc.arr, table, total, O, L, Osplit, Lsplit,
+                   i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads), i32(pr.page_rows),
+                   i32(max_pages), i32(num_pages), i32(causal), np.float32(scale),
+                   np.float32(scale * math.log2(math.e)), io)))
     if s > 1:
-        dev.launch(cp, dev.kernel("splitkv_combine", dtype, count_io, D), (Tr, Z), 0,
-                   (Osplit, Lsplit, total, O, L, i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads),
-                    i32(Br), i32(causal), i32(s), io), threads=K.SPLITKV_THREADS)
-    out = arrays.out(cp, O, dtype, as_torch)
-    lse = arrays.out(cp, L, "float32", as_torch)
-    return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
+        rows = K.SPLITKV_THREADS // 32      # the combine: a warp per packed row
+        steps.append((dev.kernel("splitkv_combine", dtype, count_io, D), (cdiv(M, rows), Z), 0,
+                      (Osplit, Lsplit, total, O, L, i32(pr.Nq), i32(pr.heads),
+                       i32(pr.kv_heads), i32(Br), i32(causal), i32(s), io)))
+
+    def launch():
+        for kernel, grid, shared, args in steps:
+            dev.launch(cp, kernel, grid, shared, args, threads=K.SPLITKV_THREADS)
+    return launch, O, L, io
 
 
 __all__ = ["KVCachePlan", "attention_with_kvcache", "kvcache_plan"]
