@@ -11,8 +11,8 @@ shuffled block table). Configurations whose K/V cache would pass 8 GB are left o
 Bytes are the compulsory ones: the K/V cache rows read once, q read and out written once.
 Achieved bandwidth is those bytes over the median time, beside the device's copy bandwidth
 measured here (a 2 GiB device-to-device copy, bytes read plus written). Times:
-- "kernels": the launches alone (append-free decoding: split kernel and, when split,
-  the combine), prepared once, as a serving loop would replay them;
+- "kernels": the launch alone (the split kernel, whose last part per Q tile merges the
+  partials), prepared once, as a serving loop would replay it;
 - "call": `fs.gpu.attention_with_kvcache` itself, with its input checks;
 - SDPA flash, efficient and cuDNN on the same contiguous cache viewed as (batch, heads,
   L, d), non-causal (SDPA aligns a causal mask to the top left, the cache to the bottom

@@ -29,7 +29,7 @@ SOURCES = {
                      "flash2_bwd_tc_det"),
     "flash2_wg.cu": ("flash2_fwd_wg",),
     "splitkv_tc.cu": ("kvcache_append", "splitkv_fwd_tc_m16", "splitkv_fwd_tc_m32",
-                      "splitkv_fwd_tc_m64", "splitkv_combine"),
+                      "splitkv_fwd_tc_m64"),
 }
 # Sources built for one architecture only, by its arch-specific target: the Hopper rung
 # uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
@@ -91,7 +91,7 @@ def source_arch(source: str, arch: str) -> str | None:
 SPLITKV_HEAD_DIMS = (64, 128)
 SPLITKV_ROWS = (16, 32, 64)
 SPLITKV_BC = 64
-SPLITKV_STAGES = {16: 3, 32: 3, 64: 3}     # K/V tiles in flight, by Br (splitkv_tc.cu: stages)
+SPLITKV_STAGES = {16: 2, 32: 2, 64: 2}     # K/V tiles in flight, by Br (splitkv_tc.cu: stages)
 SPLITKV_THREADS = 128
 SPLITKV_PAGE_CHUNK = 128     # page ids staged in shared memory at a time
 SPLITKV_PAGE_MULTIPLE = 16   # page sizes the kernels take: multiples of this many rows
@@ -202,14 +202,14 @@ REGISTERS = {
               "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 253},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
               "flash2_fwd_wg": {64: 108, 128: 189}, "kvcache_append": 32,
-              "splitkv_fwd_tc_m16": {64: 108, 128: 157}, "splitkv_fwd_tc_m32": {64: 128, 128: 188},
-              "splitkv_fwd_tc_m64": {64: 153, 128: 212}, "splitkv_combine": 36},
+              "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
+              "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 56, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 64,
               "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 222, 128: 187},
               "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 239},
               "flash2_bwd_tc_det": {64: 224, 128: 242}, "kvcache_append": 34,
-              "splitkv_fwd_tc_m16": {64: 107, 128: 154}, "splitkv_fwd_tc_m32": {64: 123, 128: 183},
-              "splitkv_fwd_tc_m64": {64: 151, 128: 208}, "splitkv_combine": 36},
+              "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 143, 128: 187},
+              "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
 }
 
 

@@ -72,7 +72,9 @@ inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; 
 inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
 inline double __longlong_as_double(long long x) { double f; std::memcpy(&f, &x, 8); return f; }
 
-// one OS thread: a read-modify-write is atomic as written
+// one OS thread: a read-modify-write is atomic as written, every load sees every store
+inline void __threadfence() {}
+template <typename T> inline T __ldcg(const T* p) { return *p; }
 template <typename T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
 template <typename T> inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
 

@@ -26,14 +26,16 @@
 //                                ids staged in shared memory, each read once), swizzled
 //                                for ldmatrix;
 //                              - num_splits = 1 writes O and L directly (flash2); more
-//                                write fp32 partials Osplit, Lsplit for the combine.
-//   splitkv_combine<T, D>      the partials of each Q tile's non-empty parts merged by
-//                              their log-sum-exp into O (I/O type) and L (fp32).
+//                                write fp32 partials Osplit, Lsplit, and the last part of
+//                                each Q tile to finish merges them by their log-sum-exp
+//                                into O (I/O type) and L (fp32): the combine, without a
+//                                second launch (a counter per Q tile in `sem`, reset by
+//                                the CTA that merges).
 //
 // Layouts: q and O (batch, Nq, heads, D); L (batch, heads, Nq); the caches (pages,
 // page_rows, kv_heads, D), a contiguous cache being one page of `capacity` rows per
 // sequence; Osplit (s, batch · kv_heads, M, D) and Lsplit (s, batch · kv_heads, M) fp32
-// with M = Nq · g packed rows.
+// with M = Nq · g packed rows; sem (Q tiles × batch · kv_heads) int32, zero between launches.
 
 #include "warp.cuh"
 
@@ -49,7 +51,7 @@ constexpr int PAGE_CHUNK = THREADS;    // page ids staged in shared memory at a 
 #define FLASHSIM_SKV_STAGES 0
 #endif
 __host__ __device__ constexpr int stages(int WM) {
-    return FLASHSIM_SKV_STAGES ? FLASHSIM_SKV_STAGES : 3;
+    return FLASHSIM_SKV_STAGES ? FLASHSIM_SKV_STAGES : 2;
 }
 // the K/V loads' L2 policy: 0 plain cp.async.cg; 1 with a 128-byte L2 prefetch hint;
 // 2 that and evict-first (the cache is streamed once: keep it from evicting the partials)
@@ -153,6 +155,51 @@ kvcache_append(const T* __restrict__ Knew, const T* __restrict__ Vnew, T* __rest
     }
 }
 
+// -- combine ----------------------------------------------------------------------------
+
+// Merge one packed row r of the parts' partials into O and L, by one warp: the lanes read
+// the row's Lsplit of every non-empty part at once and reduce them with shuffles, then
+// each lane sums its D/32 columns of the parts' Osplit with loads that do not wait on one
+// another. `row` indexes the row in a part's slot, `stride` separates the parts' slots;
+// the loads bypass L1 (other CTAs wrote these partials).
+//   L = log Σ_p exp(Lsplit_p),   O = Σ_p exp(Lsplit_p − L) Osplit_p
+template <typename T, int D>
+__device__ __forceinline__ void combine_row(const float* Osplit, const float* Lsplit, T* O,
+                                            float* L, long long row, long long stride, int r,
+                                            int b, int kvh, int G, int Nq, int heads, int n,
+                                            int s, int lane) {
+    constexpr int C = D / 32;                             // columns per lane
+    auto nonempty = [&](int p) { return (long long)n * p / s < (long long)n * (p + 1) / s; };
+    float mx = neg_inf<float>();
+    for (int p = lane; p < s; p += 32)
+        if (nonempty(p)) mx = fmaxf(mx, __ldcg(Lsplit + p * stride + row));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+    float sum = 0.0f;
+    for (int p = lane; p < s; p += 32)
+        if (nonempty(p) && !is_neg_inf(mx)) sum += expf(__ldcg(Lsplit + p * stride + row) - mx);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    const float lse = sum > 0.0f ? mx + logf(sum) : neg_inf<float>();
+    // a part that saw none of the row's keys has Lsplit = −∞ and weighs 0
+    float acc[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) acc[c] = 0.0f;
+    if (sum > 0.0f) {
+        for (int p = 0; p < s; ++p) {
+            if (!nonempty(p)) continue;
+            const float w = expf(__ldcg(Lsplit + p * stride + row) - lse);
+            const float* src = Osplit + (p * stride + row) * D + lane;
+#pragma unroll
+            for (int c = 0; c < C; ++c) acc[c] += w * __ldcg(src + 32 * c);
+        }
+    }
+    const long long q_row = (((long long)b * Nq + r / G) * heads + kvh * G + r % G) * D;
+#pragma unroll
+    for (int c = 0; c < C; ++c) O[q_row + lane + 32 * c] = from_acc<T>(acc[c]);
+    if (lane == 0) L[((long long)b * heads + kvh * G + r % G) * Nq + r / G] = lse;
+}
+
 // -- split-KV attention --------------------------------------------------------------------
 
 // two CTAs per SM (their K/V stages fit beside each other): the bound lets ptxas use up
@@ -162,9 +209,9 @@ __global__ void __launch_bounds__(skv::THREADS, 2)
 splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
                const int* __restrict__ block_table, const int* __restrict__ seqlens,
                T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
-               float* __restrict__ Lsplit, int Nq, int heads, int kv_heads, int page_rows,
-               int max_pages, int num_pages, int causal, float scale, float scale_log2,
-               unsigned long long* io) {
+               float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
+               int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
+               float scale, float scale_log2, unsigned long long* io) {
     using namespace skv;
     constexpr int WN = WARPS / WM;            // key groups: each warp's share of a tile
     constexpr int KW = Bc / WN;               // keys per warp per tile (16, 32 or 64)
@@ -191,7 +238,9 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     const int i0 = i * Br, rows = min(Br, M - i0);
     const int Lk = seqlens[b];
     const Part part = part_of(i0, i0 + rows, G, Lk, Nq, causal != 0, p, s);
-    if (s > 1 && part.ja == part.jz) return;        // an empty part: no block, no partial
+    // an empty part: no partial, no work; but a Q tile that sees no key at all still
+    // writes O = 0 and L = −∞, once (the combine's job, done here as nothing is merged)
+    if (s > 1 && part.ja == part.jz && !(part.n == 0 && p == 0)) return;
 
     const long long row_stride = (long long)kv_heads * D;
     // packed row r → (position r / G, head kvh·G + r mod G)
@@ -202,7 +251,7 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     const int wm = warp / WN, wn = warp % WN;
     const int grp = lane >> 2, tig = lane & 3;
 
-    if (part.ja == part.jz) {    // s == 1 and the tile sees no key: O = 0, L = −∞ (flash2)
+    if (part.ja == part.jz) {    // the tile sees no key: O = 0, L = −∞ (flash2)
         for (int x = tid; x < rows * D; x += THREADS)
             O[q_offset(i0 + x / D) + x % D] = from_acc<T>(0.0f);
         for (int r = tid; r < rows; r += THREADS)
@@ -432,74 +481,33 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     if (s == 1) {
         COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));       // SRAM→HBM: O_i (Br·d)
         COUNT_IO(io, IO_L_W, (long long)rows * 4);                   // SRAM→HBM: L_i (Br)
-    } else {
-        COUNT_IO(io, IO_Osplit_W, (long long)rows * D * 4);          // SRAM→HBM: Osplit_ip (fp32)
-        COUNT_IO(io, IO_Lsplit_W, (long long)rows * 4);              // SRAM→HBM: Lsplit_ip (fp32)
+        return;
     }
+    COUNT_IO(io, IO_Osplit_W, (long long)rows * D * 4);              // SRAM→HBM: Osplit_ip (fp32)
+    COUNT_IO(io, IO_Lsplit_W, (long long)rows * 4);                  // SRAM→HBM: Lsplit_ip (fp32)
+
+    // The combine, by whichever part of this Q tile finishes last: its partials and the
+    // others' are all in memory then (each CTA fences its writes before it counts itself
+    // in). No second launch, and the merge overlaps the other tiles' parts. It reads the
+    // partials back from memory like a separate combine kernel would, so it moves what
+    // flashsim.splitkv's combine moves.
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    int* done = sem + (long long)i * gridDim.z + z;
+    const int parts = min(s, part.n);
+    if (tid == 0) last = atomicAdd(done, 1) == parts - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    COUNT_IO(io, IO_Osplit_R, (long long)parts * rows * D * 4);      // HBM→SRAM: Osplit_ip
+    COUNT_IO(io, IO_Lsplit_R, (long long)parts * rows * 4);          // HBM→SRAM: Lsplit_ip
+    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));           // SRAM→HBM: O_i
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                       // SRAM→HBM: L_i
+    for (int r = warp; r < rows; r += WARPS)
+        combine_row<T, D>(Osplit, Lsplit, O, L, (long long)z * M + i0 + r,
+                          (long long)gridDim.z * M, i0 + r, b, kvh, G, Nq, heads, part.n, s,
+                          lane);
+    if (tid == 0) *done = 0;        // ready for the next launch
 }
 
-// -- combine ----------------------------------------------------------------------------
-
-// One warp per packed row (4 rows per CTA, all in one Q tile as Br is a multiple of 4):
-// the lanes read the row's Lsplit of every non-empty part at once and reduce them with
-// shuffles, then each lane sums its D/32 columns of the parts' Osplit with loads that do
-// not wait on one another (a thread walking the parts one dependent load at a time made
-// the combine latency-bound: 0.45 ms for 16 parts at Nq · g = 64 on an H100).
-template <typename T, int D>
-__global__ void __launch_bounds__(skv::THREADS)
-splitkv_combine(const float* __restrict__ Osplit, const float* __restrict__ Lsplit,
-                const int* __restrict__ seqlens, T* __restrict__ O, float* __restrict__ L,
-                int Nq, int heads, int kv_heads, int Br, int causal, int s,
-                unsigned long long* io) {
-    using namespace skv;
-    constexpr int ROWS = THREADS / 32, C = D / 32;      // rows per CTA, columns per lane
-    const int z = blockIdx.y, b = z / kv_heads, kvh = z % kv_heads;
-    const int G = heads / kv_heads, M = Nq * G;
-    const int lane = threadIdx.x & 31, r = blockIdx.x * ROWS + (threadIdx.x >> 5);
-    const int r_first = blockIdx.x * ROWS, n_rows = min(ROWS, M - r_first);
-    const int i0 = r_first / Br * Br;                    // the Q tile of these rows
-    const int Lk = seqlens[b];
-    const int n = part_of(i0, min(i0 + Br, M), G, Lk, Nq, causal != 0, 0, 1).n;
-    auto nonempty = [&](int p) { return (long long)n * p / s < (long long)n * (p + 1) / s; };
-    int parts = 0;
-    for (int p = 0; p < s; ++p) parts += nonempty(p);
-    if (parts > 0) {
-        COUNT_IO(io, IO_Osplit_R, (long long)parts * n_rows * D * 4);  // HBM→SRAM: Osplit_ip
-        COUNT_IO(io, IO_Lsplit_R, (long long)parts * n_rows * 4);      // HBM→SRAM: Lsplit_ip
-    }
-    COUNT_IO(io, IO_O_W, (long long)n_rows * D * sizeof(T));           // SRAM→HBM: O rows
-    COUNT_IO(io, IO_L_W, (long long)n_rows * 4);                       // SRAM→HBM: L rows
-    if (r >= M) return;
-    const long long stride = (long long)gridDim.y * M;    // between parts' slots
-    const long long row = (long long)z * M + r;
-    // L = log Σ_p exp(Lsplit_p) over the non-empty parts (lane p, p + 32, … reads part p)
-    float mx = neg_inf<float>();
-    for (int p = lane; p < s; p += 32)
-        if (nonempty(p)) mx = fmaxf(mx, Lsplit[p * stride + row]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-    float sum = 0.0f;
-    for (int p = lane; p < s; p += 32)
-        if (nonempty(p) && !is_neg_inf(mx)) sum += expf(Lsplit[p * stride + row] - mx);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
-    const float lse = sum > 0.0f ? mx + logf(sum) : neg_inf<float>();
-    // O = Σ_p exp(Lsplit_p − L) Osplit_p; a part that saw none of the row's keys has
-    // Lsplit = −∞ and weighs 0
-    float acc[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[c] = 0.0f;
-    if (sum > 0.0f) {
-        for (int p = 0; p < s; ++p) {
-            if (!nonempty(p)) continue;
-            const float w = expf(Lsplit[p * stride + row] - lse);
-            const float* src = Osplit + (p * stride + row) * D + lane;
-#pragma unroll
-            for (int c = 0; c < C; ++c) acc[c] += w * src[32 * c];
-        }
-    }
-    const long long q_row = (((long long)b * Nq + r / G) * heads + kvh * G + r % G) * D;
-#pragma unroll
-    for (int c = 0; c < C; ++c) O[q_row + lane + 32 * c] = from_acc<T>(acc[c]);
-    if (lane == 0) L[((long long)b * heads + kvh * G + r % G) * Nq + r / G] = lse;
-}

@@ -160,6 +160,22 @@ def _address(x) -> int | None:
     return None
 
 
+_SEMAPHORES: dict = {}
+
+
+def _semaphores(cp, n: int):
+    """n zeroed int32 counters for the split kernel's merge, kept per device and stream:
+    each launch leaves them zero again, so no memset runs per call, and launches on two
+    streams never share them."""
+    stream = cp.cuda.get_current_stream()
+    key = (cp.cuda.Device().id, getattr(stream, "ptr", 0))
+    buf = _SEMAPHORES.get(key)
+    if buf is None or buf.size < n:
+        buf = cp.zeros(max(n, 1024), dtype=cp.int32)
+        _SEMAPHORES[key] = buf
+    return buf
+
+
 def _num_sms() -> int:
     if dev.is_emulated():
         from ..hardware import H100    # plan as an H100 would: splits the tests can see
@@ -243,7 +259,8 @@ def _run(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: 
 
 def _prepare(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_io: bool):
     """The launches of one decoding step with every argument ready: (launch, O, L, io).
-    ``launch()`` runs append (if any), split kernel and combine on the current stream;
+    ``launch()`` runs the append (if any) and the split kernel (which merges its parts)
+    on the current stream;
     analysis/bench_decode.py times it apart from the Python checks of a call."""
     cp = dev.cupy()
     dtype, D = pr.q.dtype, pr.d
@@ -274,16 +291,13 @@ def _prepare(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_
                       (pr.kn.arr, pr.vn.arr, pr.kc.arr, pr.vc.arr, table, before, i32(pr.Nnew),
                        i32(pr.kv_heads), i32(pr.page_rows), i32(max_pages), i32(num_pages),
                        io)))
+    # the parts' counters for the merge (s > 1): zero, and left zero by each launch
+    sem = _semaphores(cp, Tr * Z) if s > 1 else np.uint64(0)
     steps.append((dev.kernel(plan.kernel, dtype, count_io, D), plan.grid, smem,
-                  (pr.q.arr, pr.kc.arr, pr.vc.arr, table, total, O, L, Osplit, Lsplit,
+                  (pr.q.arr, pr.kc.arr, pr.vc.arr, table, total, O, L, Osplit, Lsplit, sem,
                    i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads), i32(pr.page_rows),
                    i32(max_pages), i32(num_pages), i32(causal), np.float32(scale),
                    np.float32(scale * math.log2(math.e)), io)))
-    if s > 1:
-        rows = K.SPLITKV_THREADS // 32      # the combine: a warp per packed row
-        steps.append((dev.kernel("splitkv_combine", dtype, count_io, D), (cdiv(M, rows), Z), 0,
-                      (Osplit, Lsplit, total, O, L, i32(pr.Nq), i32(pr.heads),
-                       i32(pr.kv_heads), i32(Br), i32(causal), i32(s), io)))
 
     def launch():
         for kernel, grid, shared, args in steps:
