@@ -82,7 +82,7 @@ class PackedTiles(Tiles):
 # -- the number of splits ---------------------------------------------------------------
 
 def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm: int = 1,
-                         max_splits: int = 128) -> int:
+                         max_splits: int = 128, balance_waves: bool = False) -> int:
     """Splits per Q tile that fill the GPU without paying for partials it does not need.
 
     ``work`` thread blocks (batch × K/V heads × packed Q tiles) run on ``num_sms`` ×
@@ -92,12 +92,21 @@ def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm:
     a split count is worth considering only if it shortens the longest part (⌈kv_tiles/s⌉
     < ⌈kv_tiles/(s − 1)⌉); take the smallest s whose e(s) reaches 95% of the best. (The
     FlashAttention-1 launcher's rule, with the eligibility test of FlashAttention-2's
-    decoding path.)"""
+    decoding path.)
+
+    ``balance_waves=True`` (what `flashsim.gpu.attention_with_kvcache` uses) also splits
+    a busy GPU whose last wave would run less than 80% full (work just past the slots:
+    512 blocks on 396 slots leave the second wave 29% full, and a memory-bound kernel
+    with a third of its SMs busy runs at a fraction of the bandwidth)."""
     work, num_sms = check_size("work", work, 1), check_size("num_sms", num_sms, 1)
     kv_tiles = check_size("kv_tiles", kv_tiles, 0)
     slots = num_sms * check_size("ctas_per_sm", ctas_per_sm, 1)
-    if work >= 0.8 * slots or kv_tiles <= 1:
+    if kv_tiles <= 1:
         return 1
+    if work >= 0.8 * slots:
+        waves = work / slots
+        if not balance_waves or waves / math.ceil(waves) >= 0.8:
+            return 1
     top = min(check_size("max_splits", max_splits, 1), kv_tiles, slots)
     eff = {}
     for s in range(1, top + 1):

@@ -9,7 +9,8 @@
 Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
-into dQ); and the reference rung with a window, softcap and ALiBi.
+into dQ); the reference rung with a window, softcap and ALiBi; and the decoding kernels
+(kernels_cu/splitkv_tc.cu).
 """
 
 import sys
@@ -77,11 +78,49 @@ def main(n_cases: int = 8) -> int:
                                           block_sizes=blocks, count_io=True,
                                           deterministic=causal, **var)
                 launches += 4
+    launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
-          "2 builds × the rungs)")
+          "2 builds × the rungs, and the decoding kernels)")
     return 0
+
+
+def decoding(rng, n_cases, dtypes):
+    """splitkv_tc.cu: paged and contiguous caches with ragged lengths (0 included),
+    appends across page edges, GQA packing into 16-, 32- and 64-row tiles, split or not,
+    both builds."""
+    launches = 0
+    for case in range(n_cases):
+        d = (64, 128)[case % 2]
+        batch, kvh = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        g, Nq = (1, 8, 4, 2)[case % 4], (1, 2, 16, 5)[case % 4]
+        lens = rng.integers(0, 700, batch).astype(np.int32)
+        lens[0] = 0 if case % 3 == 0 else lens[0]
+        Nnew = (0, 3)[case % 2]
+        for dtype in dtypes:
+            for paged in (False, True):
+                page = 48
+                if paged:
+                    max_pages = int(-(-(lens.max() + Nnew) // page)) + 1
+                    pages = batch * max_pages + 1
+                    table = rng.permutation(pages)[:batch * max_pages].astype(np.int32)
+                    table = table.reshape(batch, max_pages)
+                    shape = (pages, page, kvh, d)
+                else:
+                    table, shape = None, (batch, int(lens.max()) + Nnew + 7, kvh, d)
+                kc, vc = (dev(rng.standard_normal(shape), dtype) for _ in range(2))
+                q = dev(rng.standard_normal((batch, Nq, kvh * g, d)), dtype)
+                new = [dev(rng.standard_normal((batch, Nnew, kvh, d)), dtype)
+                       for _ in range(2)] if Nnew else [None, None]
+                for splits in (1, 3):
+                    for count_io in (False, True):
+                        fs.gpu.attention_with_kvcache(
+                            q, kc, vc, cache_seqlens=lens, block_table=table, k=new[0],
+                            v=new[1], causal=bool(case % 2), num_splits=splits,
+                            count_io=count_io)
+                        launches += 1 + bool(Nnew)
+    return launches
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ def _plan(pr: _Problem, num_splits) -> KVCachePlan:
                                       registers=K.registers(name, pr.d, 90), smem=smem))
         longest = int((pr.seqlens + pr.Nnew).max())
         s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, _num_sms(), cdiv(longest, Bc),
-                                 ctas_per_sm=per_sm)
+                                 ctas_per_sm=per_sm, balance_waves=True)
     else:
         s = check_size("num_splits", num_splits, 1)
         if s > 65535:
