@@ -95,7 +95,7 @@ def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm:
     decoding path.)
 
     ``balance_waves=True`` (what `flashsim.gpu.attention_with_kvcache` uses) also splits
-    a busy GPU whose waves would run less than 90% full on average (work just past the
+    a busy GPU whose waves would run less than 80% full on average (work just past the
     slots: 512 blocks on 396 slots leave the second wave 29% full, and a memory-bound
     kernel with a third of its SMs busy runs at a fraction of the bandwidth)."""
     work, num_sms = check_size("work", work, 1), check_size("num_sms", num_sms, 1)
@@ -105,7 +105,7 @@ def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm:
         return 1
     if work >= 0.8 * slots:
         waves = work / slots
-        if not balance_waves or waves / math.ceil(waves) >= 0.9:
+        if not balance_waves or waves / math.ceil(waves) >= 0.8:
             return 1
     top = min(check_size("max_splits", max_splits, 1), kv_tiles, slots)
     eff = {}

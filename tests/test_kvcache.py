@@ -192,7 +192,7 @@ def test_split_heuristic():
     for work in range(106, 140):       # 80% of the slots busy already: no split
         assert num_splits_heuristic(work, 132, kv_tiles=64) == 1
     # balancing waves: a full GPU is still not split, one whose waves would be less than
-    # 90% full on average is (512 blocks on 396 slots: 3 splits make 3.9 waves)
+    # 80% full on average is (512 blocks on 396 slots: 3 splits make 3.9 waves)
     assert num_splits_heuristic(396, 132, kv_tiles=256, ctas_per_sm=3, balance_waves=True) == 1
     assert num_splits_heuristic(512, 132, kv_tiles=256, ctas_per_sm=3, balance_waves=True) == 3
     assert num_splits_heuristic(512, 132, kv_tiles=256, ctas_per_sm=3) == 1
