@@ -279,9 +279,15 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
     """Each kernel's outer tile comes from blockIdx.x as LAUNCH_SPECS says (the
     deterministic tensor-core backward reverses through its DET template flag)."""
     text = {src: (K.kernel_dir() / src).read_text() for src in K.SOURCES}
+    # the decoding kernels' grids (splits × Q tiles × batch·kv_heads) are not in the
+    # three-level model yet: they alone are outside the table
+    outside = {n for names in K.SOURCES.values() for n in names} - set(K.LAUNCH_SPECS)
+    assert outside == set(K.SOURCES["splitkv_tc.cu"])
     for src, names in K.SOURCES.items():
         body = text[src]
         for name in names:
+            if name in outside:
+                continue
             spec = K.LAUNCH_SPECS[name]
             if name in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
                 line = re.search(r"const int j = DET \? gridDim\.x - 1 - blockIdx\.x : blockIdx\.x", body)
