@@ -1,8 +1,8 @@
 """Variants of the decoding kernel (kernels_cu/splitkv_tc.cu) built side by side and timed
 in one process on a few decoding steps, beside SDPA's flash and cuDNN backends: the K/V
-tiles in flight (FLASHSIM_SKV_STAGES) and the loads' L2 policy (FLASHSIM_SKV_L2).
+tiles in flight (FLASHSIM_SKV_STAGES).
 
-    python3 analysis/tune_decode.py [--variants 3:0,3:1,2:0] [--out analysis/out/bench]
+    python3 analysis/tune_decode.py [--stages 2,3,4] [--out analysis/out/bench]
 
 Each variant replaces the shipped split kernel in `flashsim.gpu.decode`'s launches (its
 split count follows from its shared memory, as the launcher's does); outputs are checked
@@ -21,7 +21,6 @@ import numpy as np
 
 import _common as C  # noqa: E402
 
-import flashsim as fs  # noqa: E402
 from flashsim import kernels as K  # noqa: E402
 from flashsim.gpu import _device as dev, decode as gd  # noqa: E402
 from bench_decode import D, median_ms, sdpa_ms  # noqa: E402
@@ -37,15 +36,14 @@ CONFIGS = [  # (name, heads, kv_heads, Nq, batch, L)
 
 
 @functools.lru_cache(maxsize=None)
-def variant_kernels(stages: int, l2: int):
+def variant_kernels(stages: int):
     """The bfloat16, d = 128 split kernels of one variant (built once)."""
     import cupy as cp
     code = (K.kernel_dir() / "splitkv_tc.cu").read_text()
     insts = [i for i in K.instances("splitkv_tc.cu")
              if i.kernel.startswith("splitkv_fwd") and i.D == D and i.dtype == "bfloat16"]
-    opts = dev.compile_options(False) + (f"-DFLASHSIM_SKV_STAGES={stages}",
-                                         f"-DFLASHSIM_SKV_L2={l2}")
-    mod = cp.RawModule(code=code + f"\n// variant {stages} {l2}\n", options=opts,
+    opts = dev.compile_options(False) + (f"-DFLASHSIM_SKV_STAGES={stages}",)
+    mod = cp.RawModule(code=code + f"\n// variant {stages}\n", options=opts,
                        name_expressions=[i.expr for i in insts])
     return {i.kernel + str(i.D) + i.dtype: mod.get_function(i.expr) for i in insts}
 
@@ -57,12 +55,11 @@ def run(cfg, variant, rng):
     kc = torch.randn(batch, L, kvh, D, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     lens = np.full(batch, L, np.int32)
-    real_kernel, real_stages = dev.kernel, dict(K.SPLITKV_STAGES)
+    real_kernel, real_stages = dev.kernel, K.SPLITKV_STAGES
     try:
         if variant is not None:
-            stages, l2 = variant
-            ks = variant_kernels(stages, l2)
-            K.SPLITKV_STAGES.update({r: stages for r in K.SPLITKV_ROWS})
+            ks = variant_kernels(variant)
+            K.SPLITKV_STAGES = variant
             gd.dev.kernel = lambda name, dtype, count_io, D=None: (
                 ks[name + str(D) + dtype] if name.startswith("splitkv_fwd") else
                 real_kernel(name, dtype, count_io, D))
@@ -74,22 +71,21 @@ def run(cfg, variant, rng):
         out = gd.arrays.out(gd.dev.cupy(), O, "bfloat16", True).clone()
     finally:
         gd.dev.kernel = real_kernel
-        K.SPLITKV_STAGES.clear()
-        K.SPLITKV_STAGES.update(real_stages)
+        K.SPLITKV_STAGES = real_stages
     bytes_ = 2 * batch * L * kvh * D * 2
     return ms, bytes_ / (ms * 1e-3), plan.num_splits, out, (q, kc, vc)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="3:0,3:1,3:2,2:0,2:1,4:0")
+    ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--out", default=os.path.join(C.HERE, "out", "bench"))
     args = ap.parse_args(argv)
     import torch
-    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+    variants = [int(v) for v in args.stages.split(",")]
     rng = np.random.default_rng(0)
     lines = ["| config | SDPA flash | cuDNN | shipped | " +
-             " | ".join(f"stages {s}, L2 {l}" for s, l in variants) + " |",
+             " | ".join(f"stages {s}" for s in variants) + " |",
              "|---" * (4 + len(variants)) + "|"]
     for cfg in CONFIGS:
         torch.manual_seed(0)

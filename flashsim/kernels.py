@@ -91,7 +91,7 @@ def source_arch(source: str, arch: str) -> str | None:
 SPLITKV_HEAD_DIMS = (64, 128)
 SPLITKV_ROWS = (16, 32, 64)
 SPLITKV_BC = 64
-SPLITKV_STAGES = {16: 2, 32: 2, 64: 2}     # K/V tiles in flight, by Br (splitkv_tc.cu: stages)
+SPLITKV_STAGES = 2           # K/V tiles in flight per CTA (splitkv_tc.cu: STAGES)
 SPLITKV_THREADS = 128
 SPLITKV_PAGE_CHUNK = 128     # page ids staged in shared memory at a time
 SPLITKV_PAGE_MULTIPLE = 16   # page sizes the kernels take: multiples of this many rows
@@ -350,7 +350,7 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         # Q_i; K_j, V_j in STAGES; staged page ids; each key group's m, ℓ and weight
         # per row (the merge's O reuses the K/V stages)
         WN = SPLITKV_THREADS // 32 // (Br // 16)
-        return ((Br * d + 2 * SPLITKV_STAGES[Br] * Bc * d) * 2 + SPLITKV_PAGE_CHUNK * 4
+        return ((Br * d + 2 * SPLITKV_STAGES * Bc * d) * 2 + SPLITKV_PAGE_CHUNK * 4
                 + 3 * WN * Br * 4)
     return 0
 

@@ -3,7 +3,7 @@
 // the kernels are built to keep the memory busy, and they count what they move exactly
 // as the simulator does (-DFLASHSIM_COUNT_IO).
 //
-// Kernels in this file, each a rung over the last:
+// Kernels in this file, in the order a decoding step runs them:
 //   kvcache_append<T, D>       new rows k, v (batch, Nnew, kv_heads, D) written into the
 //                              cache at rows cache_seqlens[b] … + Nnew − 1, through the
 //                              block table when the cache is paged; one CTA per sequence,
@@ -45,32 +45,13 @@ constexpr int WARPS = 4, THREADS = 32 * WARPS;
 constexpr int Bc = 64;                 // keys per K/V tile (kernels.py: SPLITKV_BC)
 constexpr int PAGE_CHUNK = THREADS;    // page ids staged in shared memory at a time
 
-// K/V tiles in flight per CTA, by row groups WM (kernels.py: SPLITKV_STAGES); the macros
-// exist for analysis/tune_decode.py, which builds and times variants side by side
+// K/V tiles in flight per CTA (kernels.py: SPLITKV_STAGES): 2, so that two to three CTAs
+// share an SM (on an H100, 3 stages ran 1% faster to 2% slower at Nq = 1 and 65% slower
+// at 64 packed rows, 4 stages 25% slower: NOTES.md v8); the macro exists for analysis/tune_decode.py, which builds and times variants side by side
 #ifndef FLASHSIM_SKV_STAGES
-#define FLASHSIM_SKV_STAGES 0
+#define FLASHSIM_SKV_STAGES 2
 #endif
-__host__ __device__ constexpr int stages(int WM) {
-    return FLASHSIM_SKV_STAGES ? FLASHSIM_SKV_STAGES : 2;
-}
-// the K/V loads' L2 policy: 0 plain cp.async.cg; 1 with a 128-byte L2 prefetch hint;
-// 2 that and evict-first (the cache is streamed once: keep it from evicting the partials)
-#ifndef FLASHSIM_SKV_L2
-#define FLASHSIM_SKV_L2 0
-#endif
-__device__ __forceinline__ void cp_async16_stream(void* dst, const void* src, bool valid) {
-#if defined(FLASHSIM_HOST) || FLASHSIM_SKV_L2 == 0
-    cp_async16(dst, src, valid);
-#elif FLASHSIM_SKV_L2 == 1
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-#else
-    unsigned long long policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0), "l"(policy));
-#endif
-}
+constexpr int STAGES = FLASHSIM_SKV_STAGES;
 
 // Element offset of 16-byte chunk c of row r in a swizzled tile of D-wide rows: chunk c
 // of row r sits at chunk c ^ (r & 7), so the 8 rows one ldmatrix reads hit 8 bank groups.
@@ -229,7 +210,6 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     constexpr int Br = 16 * WM;               // packed query rows per Q tile
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int RPI = THREADS / CH;         // rows per load pass
-    constexpr int STAGES = stages(WM);
     static_assert(KW % 16 == 0, "each warp's keys must be whole k-steps of P V");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -314,8 +294,8 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
             long long off = key < Lk ? pages.row_offset(key, (int)row_stride) : -1;
             const bool ok = off >= 0;
             off = ok ? off + (long long)kvh * D + c * 8 : 0;
-            cp_async16_stream(k + swz<D>(r, c), Kc + off, ok);
-            cp_async16_stream(v + swz<D>(r, c), Vc + off, ok);
+            cp_async16(k + swz<D>(r, c), Kc + off, ok);
+            cp_async16(v + swz<D>(r, c), Vc + off, ok);
         }
     };
 

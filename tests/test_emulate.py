@@ -204,3 +204,66 @@ def test_kvcache_tile_shapes(monkeypatch, Nq, g):
 
 def test_kvcache_bad_input(monkeypatch):
     KV.check_bad_input(monkeypatch)
+
+
+# -- the emulator's warp collectives ----------------------------------------------------
+
+WARP_KERNELS = r"""
+#include "warp.cuh"
+// out[t] = the sum over the warp of t's value, by butterfly shuffles
+__global__ void warp_sum(const float* x, float* out) {
+    float v = x[threadIdx.x];
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+    out[threadIdx.x] = v;
+}
+// one m16n8k16 product, A (16×16) and B (16×8) as half, laid out as warp.cuh says
+__global__ void one_mma(const __half* A, const __half* B, float* C) {
+    const int lane = threadIdx.x, grp = lane >> 2, tig = lane & 3;
+    auto pair = [](const __half* p) { unsigned u; memcpy(&u, p, 4); return u; };
+    const unsigned a[4] = {pair(A + grp * 16 + 2 * tig), pair(A + (grp + 8) * 16 + 2 * tig),
+                           pair(A + grp * 16 + 2 * tig + 8), pair(A + (grp + 8) * 16 + 2 * tig + 8)};
+    __half bt[4] = {B[(2 * tig) * 8 + grp], B[(2 * tig + 1) * 8 + grp],
+                    B[(2 * tig + 8) * 8 + grp], B[(2 * tig + 9) * 8 + grp]};
+    unsigned b[2];
+    memcpy(b, bt, 8);
+    float c[4] = {0, 0, 0, 0};
+    mma16816<__half>(c, a, b);
+    C[grp * 8 + 2 * tig] = c[0]; C[grp * 8 + 2 * tig + 1] = c[1];
+    C[(grp + 8) * 8 + 2 * tig] = c[2]; C[(grp + 8) * 8 + 2 * tig + 1] = c[3];
+}
+// a shuffle that half the warp never reaches
+__global__ void divergent(float* out) {
+    float v = 1.0f;
+    if (threadIdx.x < 16) v = __shfl_xor_sync(0xffffffff, v, 1);
+    out[threadIdx.x] = v;
+}
+"""
+
+
+def _warp_module():
+    from flashsim.gpu import _device, _emulate
+    # the headers' digest in the source keys the build cache, as fs.gpu's own modules do
+    code = WARP_KERNELS + f"\n// headers: {_device.headers_digest()}\n"
+    return _emulate.RawModule(code, fs.gpu.compile_options(False),
+                              ("warp_sum", "one_mma", "divergent"))
+
+
+def test_warp_collectives_are_emulated_lane_by_lane():
+    mod = _warp_module()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(64).astype(np.float32)
+    out = np.full(64, np.nan, np.float32)
+    mod.get_function("warp_sum")((1,), (64,), (x, out))
+    np.testing.assert_allclose(out, np.repeat([x[:32].sum(), x[32:].sum()], 32), rtol=1e-6)
+    A = rng.standard_normal((16, 16)).astype(np.float16)
+    B = rng.standard_normal((16, 8)).astype(np.float16)
+    C = np.full((16, 8), np.nan, np.float32)
+    mod.get_function("one_mma")((1,), (32,), (A, B, C))
+    np.testing.assert_allclose(C, A.astype(np.float64) @ B.astype(np.float64), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_divergent_warp_collective_is_reported():
+    out = np.zeros(32, np.float32)
+    with pytest.raises(RuntimeError, match="warp collective"):
+        _warp_module().get_function("divergent")((1,), (32,), (out,))

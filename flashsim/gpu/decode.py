@@ -130,8 +130,8 @@ def _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v) -> _Problem:
                 capacity=None if paged else kc.shape[1],
                 page_size=page_rows if paged else None,
                 num_pages=kc.shape[0], block_table=table)
-    if max(int(seqlens.max()) + Nnew, 0) >= 2**31 or kc.arr.size >= 2**62:
-        raise ValueError("cache lengths must fit in int32")
+    if int(seqlens.max()) + Nnew >= 2**31:
+        raise ValueError(f"cache lengths must fit in int32, got up to {int(seqlens.max()) + Nnew}")
     return _Problem(qi, kc, vc, kn, vn, batch, Nq, heads, kv_heads, d, Nnew,
                     seqlens.astype(np.int64), table, page_rows)
 
@@ -176,18 +176,21 @@ def _semaphores(cp, n: int):
     return buf
 
 
-def _num_sms() -> int:
+def _device_sms() -> tuple[int, int, int]:
+    """(SMs, compute capability, shared memory per SM) of the current device; inside
+    the emulation an H100's, so that the tests see the splits an H100 would run."""
     if dev.is_emulated():
-        from ..hardware import H100    # plan as an H100 would: splits the tests can see
-        return H100.num_sms
-    return _sm_count(dev.cupy().cuda.Device().id)
+        from ..hardware import H100
+        return H100.num_sms, 90, H100.smem_per_sm
+    return _sm_props(dev.cupy().cuda.Device().id)
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
+def _sm_props(device: int) -> tuple[int, int, int]:
     # CuPy's getDeviceProperties reads every property (milliseconds): once per device
-    cp = dev.cupy()
-    return int(cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    props = dev.cupy().cuda.runtime.getDeviceProperties(device)
+    return (int(props["multiProcessorCount"]), dev.cc(device),
+            int(props["sharedMemPerMultiprocessor"]))
 
 
 def _plan(pr: _Problem, num_splits) -> KVCachePlan:
@@ -197,11 +200,13 @@ def _plan(pr: _Problem, num_splits) -> KVCachePlan:
     name = f"splitkv_fwd_tc_m{Br}"
     Tr = cdiv(M, Br)
     if num_splits is None:
+        sms, cc, smem_per_sm = _device_sms()
         smem = K.smem_bytes(name, Br, Bc, pr.d, pr.d, pr.q.dtype)
         per_sm = max(1, K.ctas_per_sm(threads=K.SPLITKV_THREADS,
-                                      registers=K.registers(name, pr.d, 90), smem=smem))
+                                      registers=K.registers(name, pr.d, cc), smem=smem,
+                                      smem_per_sm=smem_per_sm))
         longest = int((pr.seqlens + pr.Nnew).max())
-        s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, _num_sms(), cdiv(longest, Bc),
+        s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, sms, cdiv(longest, Bc),
                                  ctas_per_sm=per_sm, balance_waves=True)
     else:
         s = check_size("num_splits", num_splits, 1)
