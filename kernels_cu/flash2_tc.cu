@@ -26,7 +26,7 @@
 //                        flash2_bwd_tc_det<T, D> the same in deterministic mode.
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
-#include "tensor_core.cuh"
+#include "warp.cuh"
 
 namespace tc {
 
@@ -94,6 +94,7 @@ template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_TC_BC 
 #endif
 
 template <typename T> struct Mma;
+#ifndef FLASHSIM_HOST
 template <> struct Mma<__half> {
     static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
         FLASHSIM_MMA_ASM(
@@ -112,6 +113,11 @@ template <> struct Mma<__nv_bfloat16> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
 };
+#else  // the CPU emulation: warp.cuh's host mma
+template <typename T> struct Mma {
+    static void run(float* c, const unsigned* a, const unsigned* b) { mma16816<T>(c, a, b); }
+};
+#endif
 
 // Shared tiles are rows of D halves in 16-byte chunks; chunk c of row r lives at chunk
 // c ^ (r & 7) (load_tile writes them so, swz_base/swz_step read them). The 8 rows an
@@ -130,6 +136,7 @@ __device__ __forceinline__ unsigned swz_base(const void* tile, int r, int h) {
 __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
     return (base ^ ((k & 3) << 5)) + ((k >> 2) << 7);
 }
+#ifndef FLASHSIM_HOST
 __device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -138,15 +145,10 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-
-__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
+#else
+inline void ldsm_x4(unsigned* r, unsigned addr) { ldmatrix_x4(r, smem_ptr(addr)); }
+inline void ldsm_x4_t(unsigned* r, unsigned addr) { ldmatrix_x4_trans(r, smem_ptr(addr)); }
+#endif
 
 // rows [0, valid) of a ROWS × D tile from global (row-major, D contiguous) into shared,
 // by THREADS threads, 16 bytes each per pass. The passes are unrolled at compile time and
@@ -159,8 +161,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
     static_assert(THREADS % CH == 0, "a pass must cover whole rows");
     // tid read through volatile asm: the compiler may not hoist it, and so keeps no
     // per-thread offsets live across the caller's loop (registers are short there)
-    unsigned tid;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    const unsigned tid = opaque_tid();
     const int c = tid % CH, r0 = tid / CH;
 #pragma unroll
     for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
@@ -374,11 +375,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i. The thread's row is
     // recomputed from tid (read through volatile asm, so not kept live across the loop,
     // where every register is taken)
-    unsigned tid_end, bx, by, nbx;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid_end));
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bx));
-    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(by));
-    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(nbx));
+    const unsigned tid_end = opaque_tid(), bx = opaque_ctaid_x(), by = opaque_ctaid_y();
+    const unsigned nbx = opaque_nctaid_x();
     const int row_end = (tid_end >> 5) * RW + ((tid_end & 31) >> 2);
     const int i0e = (int)(nbx - 1 - bx) * Br, rows_e = min(Br, Nq - i0e);
     const long long q_row_e = (long long)by * Nq + i0e;

@@ -103,6 +103,8 @@ struct Block {
 };
 
 inline Block& block() { static Block b; return b; }
+// the block's dynamic shared memory (shared-space addresses are offsets from it)
+inline unsigned char*& smem_base() { static unsigned char* p = nullptr; return p; }
 inline std::string& error() { static std::string e; return e; }
 
 // Record the first error of a launch; the loader raises it once the launch returns.
@@ -250,6 +252,7 @@ template <typename V> inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask
                       std::to_string((unsigned long long)bx * by * bz));                 \
         if (emu::error().empty()) {                                                      \
             gridDim = emu::dim3{gx, gy, gz};                                             \
+            emu::smem_base() = SMEM_NAME;                                                \
             blockDim = emu::dim3{bx, by, bz};                                            \
             const emu::Entry& k = it->second;                                            \
             for (unsigned z = 0; z < gz; ++z)                                            \

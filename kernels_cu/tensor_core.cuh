@@ -32,13 +32,50 @@ __device__ __forceinline__ float ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+
+// Special registers read through volatile asm: the compiler may not hoist the read, and
+// so keeps no value derived from it live across the caller's loops (registers are short
+// there); it reads the register again where the value is needed.
+__device__ __forceinline__ unsigned opaque_tid() {
+    unsigned v;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ unsigned opaque_ctaid_x() {
+    unsigned v;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ unsigned opaque_ctaid_y() {
+    unsigned v;
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ unsigned opaque_nctaid_x() {
+    unsigned v;
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+    return v;
+}
 #else
-// The CPU emulation (host_emu.h): the copy happens at once, and 2^x flushes what the
-// GPU's ex2.approx.ftz flushes
+// The CPU emulation (host_emu.h). A shared-space address is the byte offset from the
+// block's dynamic shared memory, which the loader aligns to 1024 bytes as the GPU does,
+// so the kernels' swizzle arithmetic on addresses works unchanged.
+inline unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(static_cast<const unsigned char*>(p) - emu::smem_base());
+}
+inline void* smem_ptr(unsigned addr) { return emu::smem_base() + addr; }
+// the copy happens at once, and 2^x flushes what the GPU's ex2.approx.ftz flushes
 inline void cp_async16(void* dst, const void* src, bool valid) {
     if (valid) std::memcpy(dst, src, 16);
     else std::memset(dst, 0, 16);
 }
+inline void cp_async16(unsigned dst, const void* src, bool valid) {
+    cp_async16(smem_ptr(dst), src, valid);
+}
+inline unsigned opaque_tid() { return threadIdx.x; }
+inline unsigned opaque_ctaid_x() { return blockIdx.x; }
+inline unsigned opaque_ctaid_y() { return blockIdx.y; }
+inline unsigned opaque_nctaid_x() { return gridDim.x; }
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 inline float ex2(float x) {

@@ -54,6 +54,37 @@ def test_backward_matches_simulator(problem, deterministic):
         G.check_backward(*problem, kernel="ref", deterministic=deterministic)
 
 
+TC_DTYPES = [t for t in DTYPES if t in fs.kernels.TC_DTYPES]
+
+
+# the mma.sync rung (flash2_tc.cu), its warp collectives emulated lane by lane: its tiles
+# are those of an H100 (the host build is the sm_90 configuration)
+@EMU
+@given(G.gpu_problems(max_seq=200, head_dims=fs.kernels.TC_HEAD_DIMS, dtypes=TC_DTYPES,
+                      any_blocks=False, same_dv=True))
+def test_tensor_core_forward_matches_simulator(problem):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_forward(*problem, kernel="tc")
+
+
+@EMU
+@given(G.gpu_problems(max_seq=200, head_dims=fs.kernels.TC_HEAD_DIMS, dtypes=TC_DTYPES,
+                      any_blocks=False, same_dv=True), st.booleans())
+def test_tensor_core_backward_matches_simulator(problem, deterministic):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_backward(*problem, kernel="tc", deterministic=deterministic)
+
+
+def test_auto_picks_the_reference_rung_and_the_hopper_rung_is_not_emulated():
+    q = np.random.default_rng(0).standard_normal((1, 1, 16, 64)).astype(np.float16)
+    assert fs.gpu.block_sizes(q, q) == fs.gpu.block_sizes(q, q, kernel="ref")
+    assert fs.gpu.block_sizes(q, q, kernel="tc") == fs.kernels.TC_BLOCKS[64]
+    with pytest.raises(ValueError, match="not emulated"):
+        fs.gpu.attention(q, q, q, kernel="wg")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_masked_rows_and_large_logits(monkeypatch, dtype):
     G.poison_outputs(monkeypatch)

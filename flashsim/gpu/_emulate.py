@@ -5,8 +5,10 @@ arguments, grids and shared memory as on a GPU.
 What runs is the kernel source itself (each block's threads as fibers, blocks in
 blockIdx order; see host_emu.h), so outputs and the instrumented build's byte counts can
 be checked against the simulator on a machine with no GPU. Arrays are NumPy arrays (or
-PyTorch CPU tensors); the tensor-core and Hopper rungs, whose inline PTX has no host
-meaning, are not emulated: ``kernel="auto"`` picks the reference rung.
+PyTorch CPU tensors). The mma.sync rung runs too, its warp collectives (mma.sync,
+ldmatrix, shuffles) emulated lane by lane (kernels_cu/warp.cuh), when asked for with
+``kernel="tc"``; ``kernel="auto"`` picks the reference rung, the faster one on a CPU.
+The Hopper rung (wgmma, TMA) is not emulated.
 
 Needs a C++20 compiler (``$CXX``, else g++ or clang++) and the CUDA toolkit's headers
 for cuda_fp16.h and cuda_bf16.h (``$CUDA_PATH``, ``$CUDA_HOME``, the toolkit of the nvcc
@@ -75,6 +77,10 @@ def _cache_dir() -> Path:
 
 
 _BUILD_LOCK = threading.Lock()
+# CUDA code reads memory through other types (a uint4 as eight halves): the host
+# compiler must not assume strict aliasing
+_CXXFLAGS = ("-std=c++20", "-O2", "-fno-strict-aliasing", "-fPIC", "-shared", "-w",
+             "-fvisibility=hidden")
 
 
 class RawModule:
@@ -89,7 +95,7 @@ class RawModule:
         flags = [o for o in options if o.startswith(("-I", "-D"))] + ["-DFLASHSIM_HOST"]
         cxx = compiler()
         host_emu = (K.kernel_dir() / "host_emu.h").read_text()
-        key = hashlib.sha256("\0".join((code, host_emu, *flags, *name_expressions, cxx,
+        key = hashlib.sha256("\0".join((code, host_emu, *flags, *_CXXFLAGS, *name_expressions, cxx,
                                         _version(cxx))).encode()).hexdigest()[:40]
         cache = _cache_dir()
         lib = cache / f"flashsim_emu_{key}.so"
@@ -106,7 +112,7 @@ class RawModule:
         body = _SMEM.sub(lambda m: f"extern{m.group(1)}{m.group(2)}[];", code)
         smem = names[0] if names else "flashsim_emu_smem"
         lines = ['#include "host_emu.h"',
-                 f"alignas(16) unsigned char {smem}[{SMEM_BYTES}];"]
+                 f"alignas(1024) unsigned char {smem}[{SMEM_BYTES}];"]
         lines += [f"#define {n} {smem}" for n in dict.fromkeys(names[1:]) if n != smem]
         lines += ['#include "kernel.cu"']
         lines += [f'FLASHSIM_EMU_KERNEL("{e}", {e})' for e in exprs]
@@ -118,7 +124,7 @@ class RawModule:
             out = Path(tmp, "lib.so")
             # hidden symbols and no GNU unique ones: the instrumented and the plain build
             # live in one process, and must not share their registries or kernels
-            cmd = [cxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-w", "-fvisibility=hidden",
+            cmd = [cxx, *_CXXFLAGS,
                    "-fvisibility-inlines-hidden", *_no_gnu_unique(cxx), f"-I{tmp}",
                    f"-I{K.kernel_dir()}", f"-I{cuda_path()}/include", *flags,
                    str(Path(tmp, "shim.cpp")), "-o", str(out)]
@@ -188,7 +194,9 @@ def _c_value(a):
 
 class _Device:
     """cupy.cuda.Device for the emulated device."""
-    compute_capability = "0"        # no tensor cores: "auto" picks the reference rung
+    # the host build of the mma.sync rung is its sm_90 configuration (no __CUDA_ARCH__);
+    # "auto" still picks the reference rung here (flashsim.gpu.flash2._choose)
+    compute_capability = "90"
 
     def __init__(self, device=None):
         self.id = DEVICE_ID

@@ -56,6 +56,14 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "ref":
         return "ref"
+    if dev.is_emulated():
+        # the CPU emulation runs the mma.sync rung only when asked for: on a CPU the
+        # reference rung is the faster, and the Hopper rung is not emulated
+        if kernel == "wg":
+            raise ValueError("the Hopper kernel ('wg') is not emulated on the CPU; use "
+                             "kernel='tc', 'ref' or 'auto'")
+        if kernel == "auto":
+            return "ref"
     if variant is not None:
         if kernel != "auto":
             raise ValueError(f"{variant} runs on the reference kernel only so far; use "
