@@ -49,7 +49,7 @@ def forward(cp, src, D, N, variants, reps, rng):
         qreg = rest[1] if len(rest) > 1 else 1
         Br = 16 * warps * mt
         try:
-            kern = _build(cp, src, f"flash2_fwd_tc<__half, {D}>",
+            kern = _build(cp, src, f"flash2_fwd_tc<__half, {D}{_plain(src)}>",
                           (f"FLASHSIM_TC_WARPS={warps}", f"FLASHSIM_TC_BC={bc}",
                            f"FLASHSIM_TC_MINBLOCKS={minb}", f"FLASHSIM_TC_MT={mt}",
                            f"FLASHSIM_TC_QREG={qreg}"))
@@ -62,7 +62,8 @@ def forward(cp, src, D, N, variants, reps, rng):
         L = cp.empty((B * H, N), cp.float32)
         io = cp.zeros(16, cp.uint64)
         args = (q, k, v, kv_index, O, L, np.int32(N), np.int32(N), np.int32(-1),
-                np.int32(-1), np.float32(math.log2(math.e) / math.sqrt(D)), io)
+                np.int32(-1), np.float32(math.log2(math.e) / math.sqrt(D)),
+                *_no_variants(src), io)
         grid = (-(-N // Br), B * H)
 
         def run():
@@ -73,6 +74,17 @@ def forward(cp, src, D, N, variants, reps, rng):
         print(f"fwd D={D} N={N} warps={warps} m-tiles={mt} qreg={qreg} Br={Br} Bc={bc} "
               f"minblocks={minb} regs={kern.num_regs} smem={smem}: {ms:.3f} ms, "
               f"{flops / ms / 1e9:.1f} TF/s, max|O - ref| = {err:.2e}", flush=True)
+
+
+def _plain(src: str) -> str:
+    """The plain instance's last template argument, in a source whose kernels have the
+    VAR (softcap/ALiBi) argument; nothing in an older one."""
+    return ", false" if "bool VAR" in src else ""
+
+
+def _no_variants(src: str) -> tuple:
+    """softcap 0 and no slopes, for a source whose kernels take them."""
+    return (np.float32(0), np.uint64(0)) if "bool VAR" in src else ()
 
 
 def backward(cp, sources, D, N, variants, reps, rng):
@@ -92,7 +104,8 @@ def backward(cp, sources, D, N, variants, reps, rng):
         for var in variants:
             brb = int(var)
             try:
-                kern = _build(cp, text, f"flash2_bwd_tc<__half, {D}>", (f"FLASHSIM_TCB_BRB={brb}",))
+                kern = _build(cp, text, f"flash2_bwd_tc<__half, {D}{_plain(text)}>",
+                              (f"FLASHSIM_TCB_BRB={brb}",))
             except Exception as e:  # noqa: BLE001
                 print(f"bwd D={D} {label} BrB={brb}: build failed: {str(e)[:200]}")
                 continue
@@ -106,7 +119,8 @@ def backward(cp, sources, D, N, variants, reps, rng):
             dQacc = cp.zeros((P, N, D), cp.float32)
             dK, dV = cp.empty_like(k), cp.empty_like(v)
             args = (q, k, v, kv_index, do, lse, D_, dQacc, dK, dV, np.int32(N), np.int32(N),
-                    np.int32(-1), np.int32(-1), scale, np.uint64(0), cp.zeros(16, cp.uint64))
+                    np.int32(-1), np.int32(-1), scale, *_no_variants(text), np.uint64(0),
+                    cp.zeros(16, cp.uint64))
             grid = (-(-N // Bc), P)
 
             def run():

@@ -194,20 +194,20 @@ def threads(kernel: str, d: int, cc: int) -> int:
 
 
 # Registers per thread of the fast (not instrumented) builds, the most over the dtypes
-# each kernel is built for, as ptxas reports them (`flashsim kernels build`); they set
+# (and the plain and softcap/ALiBi instances) each kernel is built for, as ptxas reports them (`flashsim kernels build`); they set
 # how many CTAs an SM holds. tests/test_kernels.py rebuilds and checks the occupancy
 # they give against every instance's own count.
 REGISTERS = {
     "sm_90": {"flash2_fwd": 78, "flash2_bwd_preprocess": 32, "flash2_bwd_main": 93,
-              "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 253},
+              "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 254},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 108, 128: 189}, "kvcache_append": 32,
+              "flash2_fwd_wg": {64: 128, 128: 255}, "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 56, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 64,
-              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 222, 128: 187},
-              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 239},
-              "flash2_bwd_tc_det": {64: 224, 128: 242}, "kvcache_append": 34,
+              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 255, 128: 200},
+              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 224, 128: 242},
+              "flash2_bwd_tc_det": {64: 224, 128: 243}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 143, 128: 187},
               "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
 }
@@ -238,13 +238,20 @@ def ctas_per_sm(*, threads: int, registers: int, smem: int, regs_per_sm: int = 6
 @dataclass(frozen=True)
 class Instance:
     """One template instance: its source, kernel, dtype, head dim (tensor-core rung
-    only), the NVRTC name expression and the start of its mangled name."""
+    only), the NVRTC name expression and the start of its mangled name. ``variant``:
+    the instance that also runs softcap and ALiBi (the mma.sync rung's VAR = true; the
+    plain one keeps the registers it has without them)."""
     source: str
     kernel: str
     dtype: str
     D: int | None
     expr: str
     mangled: str
+    variant: bool = False
+
+
+# kernels with a VAR template argument (softcap and ALiBi): a plain and a variant instance
+VARIANT_KERNELS = ("flash2_fwd_tc", "flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_fwd_wg")
 
 
 _MANGLED_T = {"float16": "6__half", "bfloat16": "13__nv_bfloat16", "float32": "f",
@@ -264,8 +271,15 @@ def instances(source: str | None = None) -> list[Instance]:
             elif src in ("flash2_tc.cu", "flash2_wg.cu"):
                 for dt in TC_DTYPES:
                     for D in TC_HEAD_DIMS:
-                        out.append(Instance(src, k, dt, D, f"{k}<{CUDA_TYPES[dt]}, {D}>",
-                                            f"_Z{len(k)}{k}I{_MANGLED_T[dt]}Li{D}EE"))
+                        T, mT = CUDA_TYPES[dt], _MANGLED_T[dt]
+                        if k not in VARIANT_KERNELS:
+                            out.append(Instance(src, k, dt, D, f"{k}<{T}, {D}>",
+                                                f"_Z{len(k)}{k}I{mT}Li{D}EE"))
+                            continue
+                        for var in (False, True):
+                            out.append(Instance(src, k, dt, D,
+                                                f"{k}<{T}, {D}, {str(var).lower()}>",
+                                                f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(var)}EE", var))
             else:
                 for dt in CUDA_TYPES:
                     out.append(Instance(src, k, dt, None, f"{k}<{CUDA_TYPES[dt]}>",
@@ -283,13 +297,13 @@ def _splitkv_instance(k: str, dt: str, D: int) -> Instance:
 
 
 @functools.lru_cache(maxsize=None)
-def instance(kernel: str, dtype: str, D: int | None) -> Instance:
+def instance(kernel: str, dtype: str, D: int | None, variant: bool = False) -> Instance:
     """The instance of ``kernel`` for this dtype (and head dim, where it is a template
-    argument), with its source and NVRTC name expression."""
+    argument; and softcap/ALiBi, ``variant``), with its source and NVRTC name expression."""
     for i in instances():
-        if i.kernel == kernel and i.dtype == dtype and i.D == D:
+        if i.kernel == kernel and i.dtype == dtype and i.D == D and i.variant == variant:
             return i
-    raise KeyError(f"no instance of {kernel} for dtype={dtype}, D={D}")
+    raise KeyError(f"no instance of {kernel} for dtype={dtype}, D={D}, variant={variant}")
 
 
 def kernel_dir() -> Path:
@@ -382,6 +396,7 @@ class BuildRow:
     stack: int
     spill_stores: int
     spill_loads: int
+    variant: bool = False
 
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
@@ -429,14 +444,15 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
 
 
 def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:
-    names = {i.mangled: (i.kernel, i.dtype, i.D) for i in instances(source)}
+    names = {i.mangled: (i.kernel, i.dtype, i.D, i.variant) for i in instances(source)}
     rows, current, info = [], None, {}
 
     def flush():
         if current is not None:
-            k, dt, D = current
+            k, dt, D, var = current
             rows.append(BuildRow(k, dt, D, count_io, info.get("regs", 0), info.get("smem", 0),
-                                 info.get("stack", 0), info.get("st", 0), info.get("ld", 0)))
+                                 info.get("stack", 0), info.get("st", 0), info.get("ld", 0),
+                                 var))
 
     for line in log.splitlines():
         m = _PTXAS_FUNC.search(line)
@@ -460,9 +476,10 @@ def format_build(rows: list[BuildRow], arch: str) -> str:
             f"{'stack':>7}{'spill st/ld':>13}")
     lines = [f"kernels built for {arch} (dynamic shared memory is sized per launch)", head,
              "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.dtype, r.D or 0)):
+    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.variant, r.dtype, r.D or 0)):
         build_kind = "instrumented" if r.instrumented else "fast path"
-        lines.append(f"{r.kernel:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
+        name = r.kernel + (" +var" if r.variant else "")
+        lines.append(f"{name:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
                      f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}")
     built = {r.kernel for r in rows}
     for src, target in ARCH_SPECIFIC.items():

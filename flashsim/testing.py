@@ -36,6 +36,7 @@ from .reference import attention_backward_reference, attention_reference, attent
 from .strategies import (AttentionProblem, attention_problems, batch_shapes, block_sizes,
                          head_dims, problem_sizes, seq_lens)
 from .traffic import Traffic
+from .variants import Scores, make_scores
 
 EPS = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 HALF = ("float16", "bfloat16")
@@ -109,29 +110,37 @@ def same_dtype_errors(q, k, v, ref_out, *, io_dtype: str, causal: bool = False, 
     return errs
 
 
-def grad_magnitudes(q, k, v, out, dout, *, causal: bool = False, scale=None) -> np.ndarray:
+def grad_magnitudes(q, k, v, out, dout, *, causal: bool = False, scale=None, window=None,
+                    softcap=None, alibi_slopes=None, s_rounding: float = 1.0) -> np.ndarray:
     """max over elements of Σ|terms| for dq = scale·dS K, dk = scale·dSᵀ Q, dv = Pᵀ dO, with
     |dS| bounded by P ∘ (|dO||V|ᵀ + rowsum|dO ∘ O|) from the float64 forward and P weighted
     by 1 + √d·scale·|q||k|ᵀ (a rounding of S moves P by that much relative): the size of
-    what each gradient adds up, whose rounding a kernel cannot avoid."""
+    what each gradient adds up, whose rounding a kernel cannot avoid. The variants
+    (``window``, ``softcap``, ``alibi_slopes``, as `flashsim.simulate` takes them) shape
+    P, and a softcap scales both the rounding's effect and dS by its derivative 1 − tanh².
+    ``s_rounding`` scales the rounding of S relative to the tolerance's eps: 1 (default)
+    for S rounded like the I/O type, eps(fp32)/eps(I/O) for kernels that form S in fp32
+    from exact products, as the GPU kernels do."""
     shape, Q, K, V, idx = _problems(q, k, v)
     O = _canon_out(out, shape, (shape.Nq, shape.dv))
     dO = _canon_out(dout, shape, (shape.Nq, shape.dv))
     s = check_scale(scale, shape.d)
+    sc = make_scores(shape, s, causal, window, softcap, alibi_slopes)
+    slopes = None if sc.slopes is None else np.broadcast_to(sc.slopes, canon_batch(shape))
     res = np.zeros(3)
     acc_k: dict = {}
     acc_v: dict = {}
     for qi, ki in idx:
-        S = s * Q[qi] @ K[ki].T
-        if causal:
-            Nq, Nk = S.shape
-            S = np.where(np.arange(Nk)[None] <= np.arange(Nq)[:, None] + Nk - Nq, S, -np.inf)
+        one = Scores(s, sc.band, sc.softcap, None if slopes is None else slopes[qi])
+        S, T = one.full(Q[qi], K[ki], shape.Nq, shape.Nk)
+        dcap = 1.0 if T is None else 1 - T * T
         m = S.max(axis=-1, keepdims=True, initial=-np.inf)
         E = np.exp(S - np.where(np.isfinite(m), m, 0))
         P = E / np.maximum(E.sum(axis=-1, keepdims=True), 1e-300)
-        Pm = P * (1 + np.sqrt(shape.d) * s * np.abs(Q[qi]) @ np.abs(K[ki]).T)
-        ds = Pm * (np.abs(dO[qi]) @ np.abs(V[ki]).T
-                   + np.abs(dO[qi] * O[qi]).sum(axis=-1, keepdims=True))
+        Pm = P * (1 + s_rounding * np.sqrt(shape.d) * s * dcap
+                  * (np.abs(Q[qi]) @ np.abs(K[ki]).T))
+        ds = dcap * Pm * (np.abs(dO[qi]) @ np.abs(V[ki]).T
+                          + np.abs(dO[qi] * O[qi]).sum(axis=-1, keepdims=True))
         res[0] = max(res[0], s * (ds @ np.abs(K[ki])).max(initial=0))
         acc_k[ki] = acc_k.get(ki, 0) + s * ds.T @ np.abs(Q[qi])
         acc_v[ki] = acc_v.get(ki, 0) + Pm.T @ np.abs(dO[qi])

@@ -176,12 +176,12 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
 
 }  // namespace tc
 
-template <typename T, int D>
+template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int left, int right, float scale_log2,
-              unsigned long long* io) {
+              int Nq, int Nk, int left, int right, float scale_log2, float softcap,
+              const float* __restrict__ slopes, unsigned long long* io) {
     using namespace tc;
     // each warp owns MT m-tiles of 16 query rows: every K/V fragment it loads feeds MT MMAs
     constexpr int MT = mtiles<D>(), RW = 16 * MT;
@@ -203,6 +203,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Band band{left, right, Nk - Nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+    // VAR (the instance for softcap and ALiBi): S is finished elementwise in log2 units
+    // (VarScores), and the exponent's multiplier is then 1 instead of scale·log2(e). A
+    // template argument, not a run-time test, so the plain instance keeps every register
+    // it had (a run-time branch made it spill)
+    const float sl2 = VAR ? 1.f : scale_log2;
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         fwd_tile_unseen<T, D, 32 * warps<D>()>(O, L, q_row, rows, io);
@@ -297,8 +302,23 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             }
         }
 
-        // mask ragged keys and the band, elementwise, only where the tile needs it
         const int j0 = j * Bc;
+        if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
+            const VarScores vs = VarScores::make(scale_log2 * 0.6931471805599453f, softcap,
+                                                 slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f);
+            // dist = r + (Nk − Nq) − c: one base per tile, immediates per element
+            const int dist0 = i0 + warp * RW + g + (Nk - Nq) - j0 - tig * 2;
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float th;
+                        s[mi][t][e] = vs(s[mi][t][e], dist0 + mi * 16 + (e < 2 ? 0 : 8) - t * 8 - (e & 1), &th);
+                    }
+        }
+        // mask ragged keys and the band, elementwise, only where the tile needs it
         const bool ragged = j0 + Bc > Nk;
         const bool partial = ragged || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
                              || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
@@ -320,8 +340,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             float mx0 = m[mi][0], mx1 = m[mi][1];
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t) {
-                mx0 = fmaxf(mx0, fmaxf(s[mi][t][0], s[mi][t][1]) * scale_log2);
-                mx1 = fmaxf(mx1, fmaxf(s[mi][t][2], s[mi][t][3]) * scale_log2);
+                mx0 = fmaxf(mx0, fmaxf(s[mi][t][0], s[mi][t][1]) * sl2);
+                mx1 = fmaxf(mx1, fmaxf(s[mi][t][2], s[mi][t][3]) * sl2);
             }
             quad_max(mx0, mx1);             // the 4 threads of a quad share a row
             const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
@@ -337,10 +357,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             }
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t) {
-                const float p0 = ex2(fmaf(s[mi][t][0], scale_log2, -ms0));
-                const float p1 = ex2(fmaf(s[mi][t][1], scale_log2, -ms0));
-                const float p2 = ex2(fmaf(s[mi][t][2], scale_log2, -ms1));
-                const float p3 = ex2(fmaf(s[mi][t][3], scale_log2, -ms1));
+                const float p0 = ex2(fmaf(s[mi][t][0], sl2, -ms0));
+                const float p1 = ex2(fmaf(s[mi][t][1], sl2, -ms0));
+                const float p2 = ex2(fmaf(s[mi][t][2], sl2, -ms1));
+                const float p3 = ex2(fmaf(s[mi][t][3], sl2, -ms1));
                 l[mi][0] += p0 + p1;
                 l[mi][1] += p2 + p3;
                 pf[mi][t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);   // row g
@@ -456,14 +476,14 @@ __device__ __forceinline__ void add2(float* x, float a, float b) {
 // (flash2_bwd_tc), DET = true in turns (flash2_bwd_tc_det, sem given). Two kernels, not a
 // run-time branch on sem: the unordered kernel carries none of the turns' bookkeeping,
 // and with j chosen at run time ptxas spilled at D = 128.
-template <typename T, int D, bool DET>
+template <typename T, int D, bool DET, bool VAR>
 __device__ __forceinline__ void
 bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
        const int* __restrict__ kv_index, const T* __restrict__ dO,
        const float* __restrict__ L, const float* __restrict__ Dv,
        float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-       int Nq, int Nk, int left, int right, float scale, int* __restrict__ sem,
-       unsigned long long* io) {
+       int Nq, int Nk, int left, int right, float scale, float softcap,
+       const float* __restrict__ slopes, int* __restrict__ sem, unsigned long long* io) {
     using namespace tc;
     constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
     constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
@@ -497,6 +517,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     const int j0 = j * Bc, cols = min(Bc, Nk - j0);
     const long long kv = kv_index[p];
     const Band band{left, right, Nk - Nq};
+    // VAR (softcap and ALiBi): P from the finished scores, and dS through the softcap's
+    // derivative 1 − tanh² (the scale is applied to dQ and dK at the end, as without)
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, Nq, BrB, &ilo, &ihi);
     const int k0 = wk * 32 + g;                   // this thread's keys: k0 + {0, 8, 16, 24}
@@ -602,6 +624,14 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
                 || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
             const float* sLb = sL + buf * BrB;
             const float* sDb = sD + buf * BrB;
+            // VAR: the scores' constants, and dist = q + (Nk − Nq) − key as one base per
+            // step plus immediates per element
+            VarScores vs{};
+            int dist0 = 0;
+            if constexpr (VAR) {
+                vs = VarScores::make(scale, softcap, slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f);
+                dist0 = i0 + wh * (BrB / 2) + tig * 2 + (Nk - Nq) - j0 - k0;
+            }
 #pragma unroll
             for (int t = 0; t < QN; ++t) {
                 const int qc = wh * (BrB / 2) + t * 8 + tig * 2;   // this thread's two queries
@@ -612,12 +642,18 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
                     float pv[4], dsv[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-                        if (partial) {
-                            const int key = j0 + k0 + mt * 16 + (e < 2 ? 0 : 8), q = i0 + qc + (e & 1);
-                            if (key >= Nk || !band.sees(q, key)) pv[e] = 0.f;
+                        const int key = j0 + k0 + mt * 16 + (e < 2 ? 0 : 8), q = i0 + qc + (e & 1);
+                        float dcap = 1.f;
+                        if constexpr (VAR) {
+                            float th = 0.f;
+                            const float x = vs(s[mt][t][e], dist0 + t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8), &th);
+                            pv[e] = ex2(x - ((e & 1) ? l2.y : l2.x));
+                            dcap = fmaf(-th, th, 1.f);   // 1 without a softcap (th = 0)
+                        } else {
+                            pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
                         }
-                        dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x));
+                        if (partial && (key >= Nk || !band.sees(q, key))) pv[e] = 0.f;
+                        dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x)) * dcap;
                     }
                     T* pr = sP + (k0 + mt * 16) * SPS + qc;
                     *reinterpret_cast<unsigned*>(pr) = pack<T>(pv[0], pv[1]);
@@ -752,19 +788,20 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     const int* __restrict__ kv_index, const T* __restrict__ dO,                            \
     const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
     T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int left, int right,           \
-    float scale, int* __restrict__ sem, unsigned long long* io
-#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, sem, io
+    float scale, float softcap, const float* __restrict__ slopes, int* __restrict__ sem,   \
+    unsigned long long* io
+#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, softcap, slopes, sem, io
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
-template <typename T, int D>
+template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc(FLASHSIM_BWD_TC_PARAMS) {
-    bwd_tc<T, D, false>(FLASHSIM_BWD_TC_ARGS);
+    bwd_tc<T, D, false, VAR>(FLASHSIM_BWD_TC_ARGS);
 }
 
 // dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
-template <typename T, int D>
+template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BWD_TC_PARAMS) {
-    bwd_tc<T, D, true>(FLASHSIM_BWD_TC_ARGS);
+    bwd_tc<T, D, true, VAR>(FLASHSIM_BWD_TC_ARGS);
 }
 
 // flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the

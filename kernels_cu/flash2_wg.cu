@@ -1,7 +1,7 @@
 // flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
-//   flash2_fwd_wg<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//   flash2_fwd_wg<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
 //                        tiles Br × Bc = 128 × 128 (D = 128), 128 × 64 (D = 64, two CTAs
 //                        per SM). Over flash2_fwd_tc it changes how the
 //                        products run:
@@ -23,6 +23,9 @@
 //                        - loads as in flash2_tc.cu (16-byte cp.async, K and V
 //                          double-buffered), one step ahead: K_{j+1} and V_j stream in
 //                          behind step j.
+//                        VAR = true is the instance for softcap and ALiBi (scores
+//                        finished in log2 units by tensor_core.cuh's VarScores before
+//                        the mask); windows run on both instances (the band).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
@@ -179,12 +182,12 @@ FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
 
 }  // namespace wg
 
-template <typename T, int D>
+template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int left, int right, float scale_log2,
-              unsigned long long* io) {
+              int Nq, int Nk, int left, int right, float scale_log2, float softcap,
+              const float* __restrict__ slopes, unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -206,6 +209,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Band band{left, right, Nk - Nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+    const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         fwd_tile_unseen<T, D, THREADS>(O, L, q_row, rows, io);
@@ -247,6 +251,18 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // mask ragged keys and the band, only where the tile needs it. Register 4t + e
         // holds row r0 + 8·(e ≥ 2), key 8t + 2·tig + (e & 1) of the tile
         const int j0 = j * Bc;
+        if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
+            const VarScores vs = VarScores::make(scale_log2 * 0.6931471805599453f, softcap,
+                                                 slopes != nullptr ? slopes[p] : 0.f);
+            const int dist0 = i0 + r0 + (Nk - Nq) - j0 - tig * 2;   // r + off − c, per tile
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float th;
+                    s[4 * t + e] = vs(s[4 * t + e], dist0 + (e < 2 ? 0 : 8) - t * 8 - (e & 1), &th);
+                }
+        }
         const bool partial = j0 + Bc > Nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
                              || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
         if (partial) {
@@ -262,8 +278,8 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int t = 0; t < Bc / 8; ++t) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * scale_log2);
-            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * scale_log2);
+            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
+            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
         }
         quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
         const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
@@ -276,10 +292,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         l1 *= a1;
 #pragma unroll
         for (int t = 0; t < Bc / 8; ++t) {
-            s[4 * t] = ex2(fmaf(s[4 * t], scale_log2, -ms0));
-            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], scale_log2, -ms0));
-            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], scale_log2, -ms1));
-            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], scale_log2, -ms1));
+            s[4 * t] = ex2(fmaf(s[4 * t], sl2, -ms0));
+            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
+            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], sl2, -ms1));
+            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
             l0 += s[4 * t] + s[4 * t + 1];
             l1 += s[4 * t + 2] + s[4 * t + 3];
         }

@@ -68,6 +68,7 @@ template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) 
     return a < b ? b : a;
 }
 
+inline float __fdividef(float a, float b) { return a / b; }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
 inline double __longlong_as_double(long long x) { double f; std::memcpy(&f, &x, 8); return f; }

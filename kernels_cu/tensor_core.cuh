@@ -84,6 +84,37 @@ inline float ex2(float x) {
 }
 #endif
 
+// tanh(x) = 1 − 2 / (1 + e^{2x}), from one ex2 and one fast division (VarScores): its
+// absolute error (a few 1e-7) is below the fp32 rounding of softcap·tanh, which is what
+// the softmax sees, at a third of tanhf's instructions; it saturates to ±1.
+// The variants' scores on the fast rungs, in log2 units (the exponent ex2 takes): for
+// s = q·k and dist = r + off − c,
+//   softcap·log2(e)·tanh(scale·s / softcap) − slope·log2(e)·|dist|
+// (the order of common.cuh's Scores), or scale·log2(e)·s − … without a softcap. Three
+// constants, so that the kernels' variant instances, already at 255 registers, add
+// few. *t receives the tanh (the backward's 1 − tanh²).
+struct VarScores {
+    float k_in;     // 2·log2(e)·scale / softcap (tanh_fast's exponent), or scale·log2(e)
+    float k_out;    // softcap·log2(e); 0: no softcap
+    float k_bias;   // slope·log2(e); 0: no ALiBi
+    __device__ __forceinline__ static VarScores make(float scale, float softcap, float slope) {
+        constexpr float LOG2E = 1.4426950408889634f;
+        return softcap > 0.f ? VarScores{2.f * LOG2E * scale / softcap, softcap * LOG2E, slope * LOG2E}
+                             : VarScores{scale * LOG2E, 0.f, slope * LOG2E};
+    }
+    __device__ __forceinline__ float operator()(float s, int dist, float* t) const {
+        float x;
+        if (k_out != 0.f) {
+            *t = 1.f - __fdividef(2.f, 1.f + ex2(s * k_in));
+            x = k_out * *t;
+        } else {
+            x = s * k_in;
+        }
+        if (k_bias != 0.f) x = fmaf(-k_bias, fabsf((float)dist), x);
+        return x;
+    }
+};
+
 // (lo, hi) rounded to T and packed into one register, lo in the low half: the layout of
 // an MMA operand pair
 template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);

@@ -77,6 +77,22 @@ def test_tensor_core_backward_matches_simulator(problem, deterministic):
         G.check_backward(*problem, kernel="tc", deterministic=deterministic)
 
 
+@EMU
+@given(G.fast_variant_problems(dtypes=TC_DTYPES, max_seq=260))
+def test_tensor_core_variants_forward_match_the_simulator(problem):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_variants_forward(*problem, kernel="tc")
+
+
+@EMU
+@given(G.fast_variant_problems(dtypes=TC_DTYPES, max_seq=260), st.booleans())
+def test_tensor_core_variants_backward_match_the_simulator(problem, deterministic):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_variants_backward(*problem, deterministic, kernel="tc")
+
+
 def test_auto_picks_the_reference_rung_and_the_hopper_rung_is_not_emulated():
     q = np.random.default_rng(0).standard_normal((1, 1, 16, 64)).astype(np.float16)
     assert fs.gpu.block_sizes(q, q) == fs.gpu.block_sizes(q, q, kernel="ref")
@@ -192,7 +208,7 @@ def test_variants_are_checked_before_any_launch():
         fs.gpu.attention(q, q, q, softcap=0.0)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         fs.gpu.attention(q, q, q, alibi_slopes=np.ones(3))
-    with pytest.raises(ValueError, match="reference kernel only"):
+    with pytest.raises(ValueError, match="float16/bfloat16"):   # a variant, not a dtype, of tc's
         fs.gpu.attention(q, q, q, softcap=5.0, kernel="tc")
     out, lse = fs.gpu.attention(q, q, q, window=(0, 0))     # each row sees its own key
     np.testing.assert_allclose(out, q, rtol=1e-6)
@@ -200,7 +216,7 @@ def test_variants_are_checked_before_any_launch():
 
 def test_the_reference_fallback_warns_once_per_reason():
     """On a GPU, float16/bfloat16 inputs that "auto" must run on the reference kernel
-    (an unsupported head dim, a variant) warn once per reason; float32 never does, nor
+    (an unsupported head dim) warn once per reason; float32 never does, nor
     does the emulation, where the reference rung is all there is."""
     import warnings
     f2 = fs.gpu.flash2

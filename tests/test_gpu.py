@@ -591,11 +591,47 @@ def test_variants_forward_match_the_simulator(poisoned, problem):
     check_variants_forward(*problem)
 
 
-def check_variants_forward(q, k, v, dtype, blocks, variants):
+@st.composite
+def fast_variant_problems(draw, dtypes=None, max_seq=400):
+    """Variants on the fast rungs' terms: float16/bfloat16, d = dv ∈ TC_HEAD_DIMS, their
+    own tiles (blocks None); windows that cut their 64- and 128-wide tiles."""
+    Nq, Nk = draw(st.integers(1, max_seq)), draw(st.integers(1, max_seq))
+    d = draw(st.sampled_from(fs.kernels.TC_HEAD_DIMS))
+    dtype = draw(st.sampled_from(dtypes or TC_DTYPES))
+    B, hk, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, max_seq + 20),
+                                                 st.integers(-1, max_seq + 20))))
+    softcap = draw(st.one_of(st.none(), st.floats(0.25, 50.0)))
+    alibi = draw(st.sampled_from([None, "heads", "batch"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rnd = make_precision("kernel", dtype).io_round
+    q = rnd(rng.standard_normal((B, hk * g, Nq, d)) * 2).astype(np.float64)
+    k = rnd(rng.standard_normal((B, hk, Nk, d)) * 2).astype(np.float64)
+    v = rnd(rng.standard_normal((B, hk, Nk, d))).astype(np.float64)
+    slopes = None if alibi is None else rng.uniform(0.0, 0.5, (B, hk * g) if alibi == "batch"
+                                                     else (hk * g,))
+    return q, k, v, dtype, None, dict(causal=causal, window=window, softcap=softcap,
+                                      alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("kernel", FAST_FORWARD)
+@given(problem=fast_variant_problems())
+def test_fast_rungs_run_the_variants_forward(poisoned, kernel, problem):
+    check_variants_forward(*problem, kernel=kernel)
+
+
+@given(fast_variant_problems(), st.booleans())
+def test_fast_rungs_run_the_variants_backward(poisoned, problem, deterministic):
+    check_variants_backward(*problem, deterministic, kernel="tc")
+
+
+def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
     out, lse, traffic = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, count_io=True,
-                                         **variants)
+                                         kernel=kernel, **variants)
     out, lse = host(out), host(lse)
+    blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel)
     sim = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype, **variants)
     assert traffic == sim.traffic, traffic.diff(sim.traffic)   # skipped tiles included
     simk = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype,
@@ -614,7 +650,7 @@ def test_variants_backward_match_the_simulator(poisoned, problem, deterministic)
     check_variants_backward(*problem, deterministic)
 
 
-def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic):
+def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic, kernel="auto"):
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
     out, lse = fs.gpu.attention(qd, kd, vd, **variants)
     o, L = host(out), host(lse)
@@ -622,7 +658,9 @@ def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic):
     dout = rnd(np.random.default_rng(1).standard_normal(o.shape)).astype(np.float64)
     *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
                                                 block_sizes=blocks, count_io=True,
-                                                deterministic=deterministic, **variants)
+                                                deterministic=deterministic, kernel=kernel,
+                                                **variants)
+    blocks = blocks or fs.gpu.block_sizes(qd, vd, backward=True, kernel=kernel)
     grads = [host(x) for x in grads]
     sim = fs.simulate_backward(q, k, v, o, L, dout, "flash2", block_sizes=blocks,
                                io_dtype=dtype, **variants)
@@ -634,7 +672,9 @@ def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic):
     rel = 1e-4 if dtype in ("float32", "float64") else 32 * EPS[dtype]
     # relative to the terms each gradient sums, not to the sum: dS = P ∘ (dP − D) cancels
     # (one visible key: dk is 0 exactly, its parts are not)
-    mags = grad_magnitudes(q, k, v, o, dout, causal=variants["causal"])
+    # S is formed in fp32 by every kernel: its rounding weighs eps(fp32), not the I/O type's
+    s_rounding = EPS["float32"] / EPS[dtype] if dtype in ("float16", "bfloat16") else 1.0
+    mags = grad_magnitudes(q, k, v, o, dout, s_rounding=s_rounding, **variants)
     for n, (name, a, b) in enumerate(zip(("dq", "dk", "dv"), grads, (simk.dq, simk.dk, simk.dv))):
         assert np.isfinite(a).all(), name
         err, scale = np.abs(a - b).max(initial=0), max(np.abs(b).max(initial=0), mags[n])

@@ -203,13 +203,14 @@ class ArchKernel:
                     stream=cupy().cuda.get_current_stream())
 
 
-def kernel(name: str, dtype: str, count_io: bool, D: int | None = None):
-    return kernel_on(name, dtype, count_io, D, cupy().cuda.Device().id)
+def kernel(name: str, dtype: str, count_io: bool, D: int | None = None, variant: bool = False):
+    return kernel_on(name, dtype, count_io, D, cupy().cuda.Device().id, variant)
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int):
-    inst = K.instance(name, dtype, D)
+def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int,
+              variant: bool = False):
+    inst = K.instance(name, dtype, D, variant)
     return module(inst.source, count_io, device).get_function(inst.expr)
 
 

@@ -49,9 +49,9 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
             variant: str | None = None) -> str:
     """The fastest rung that supports the inputs: "wg" (Hopper, forward), "tc" (tensor
     cores), else "ref"; or the one asked for, with an error where it cannot run them.
-    ``variant`` names the window, softcap or ALiBi asked for, which only the reference
-    rung runs so far. "auto" warns (once per reason) when float16/bfloat16 inputs fall
-    to the reference rung, which is two orders of magnitude slower."""
+    Every rung runs the variants (window, softcap, ALiBi; ``variant`` names those asked
+    for, kept for the messages). "auto" warns (once per reason) when float16/bfloat16
+    inputs fall to the reference rung, which is two orders of magnitude slower."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "ref":
@@ -64,12 +64,6 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
                              "kernel='tc', 'ref' or 'auto'")
         if kernel == "auto":
             return "ref"
-    if variant is not None:
-        if kernel != "auto":
-            raise ValueError(f"{variant} runs on the reference kernel only so far; use "
-                             f"kernel='ref' or 'auto' (got kernel={kernel!r})")
-        _warn_reference(dtype, f"{variant} (the fast rungs do not run it yet)")
-        return "ref"
     if kernel == "wg" and backward:
         raise ValueError("the Hopper kernel ('wg') is a forward only; the backward runs on "
                          "kernel='tc' (or 'auto', which picks it)")
@@ -184,8 +178,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
 
     Variants, with `flashsim.simulate`'s semantics (flashsim.variants): ``window=(left,
     right)`` (−1 unbounded; tiles outside the band are skipped), ``softcap=c`` and
-    ``alibi_slopes`` ((heads,) or (batch, heads), fp32); these run on the reference
-    kernel so far.
+    ``alibi_slopes`` ((heads,) or (batch, heads), fp32), on every rung (the fast rungs
+    run softcap and ALiBi in their own template instances, so plain attention pays
+    nothing for them).
     """
     plain = _asked(window, softcap, alibi_slopes) is None
     if plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
@@ -209,6 +204,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
                                                       softcap, alibi_slopes)
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant)
+    var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     P, Nq = shape.problems, shape.Nq
     O = arrays.empty(cp, (P, Nq, shape.dv), arrays.storage(cp, dtype), dtype if qi.torch else None)
     L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
@@ -221,10 +217,11 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(shape.d, False)
         threads = K.threads(name, shape.d, dev.cc(cp.cuda.Device().id))
         smem = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
-        dev.launch(cp, dev.kernel(name, dtype, count_io, shape.d),
-                K.grid(name, Nq, shape.Nk, Br, Bc, P), smem, (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left),
-                       i32(right), np.float32(scale * math.log2(math.e)), io),
-                threads=threads)
+        dev.launch(cp, dev.kernel(name, dtype, count_io, shape.d, var),
+                   K.grid(name, Nq, shape.Nk, Br, Bc, P), smem,
+                   (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left), i32(right),
+                    np.float32(scale * math.log2(math.e)), cap, slopes, io),
+                   threads=threads)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
@@ -295,6 +292,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
                                                       softcap, alibi_slopes)
     which = _choose(kernel, shape, dtype, block_sizes, backward=True, variant=variant)
+    var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     if which == "tc":
         Br, Bc = _tc_tiles(shape.d, True)
     else:
@@ -329,9 +327,10 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     if which == "tc":
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
         name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
-        dev.launch(cp, dev.kernel(name, dtype, count_io, d), grid(name), smem,
+        dev.launch(cp, dev.kernel(name, dtype, count_io, d, var), grid(name), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
-                 i32(right), np.float32(scale), sem, io), threads=K.threads(name, d, cc))
+                 i32(right), np.float32(scale), cap, slopes, sem, io),
+                threads=K.threads(name, d, cc))
     else:
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
         dev.launch(cp, dev.kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"), smem,
@@ -470,10 +469,10 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         plan.left, plan.right = arrays.band(causal)
         plan.scale = check_scale(scale, d)
         plan.io = dev.unused_counters(q.device.index).data.ptr
-        # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, io)
-        plan.fwd = _Launcher(kern, "6Q4if4xQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
+        # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, softcap, slopes, io)
+        plan.fwd = _Launcher(kern, "6Q4iffQQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
                              (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e),
-                              plan.io))
+                              0.0, 0, plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
         plan.bwd = None                                 # made by the first backward call
@@ -540,10 +539,11 @@ def _plan_torch_backward(plan, q, k):
         pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ",
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
                         K.threads("flash2_bwd_preprocess_tc", d, cc), 0, (Nq, plan.io))
-        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, sem, io)
-        main = _Launcher(main, "10Q4if4xQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
+        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, softcap,
+        #  slopes, sem, io)
+        main = _Launcher(main, "10Q4iffQQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
                          K.threads("flash2_bwd_tc", d, cc), smem,
-                         (Nq, Nk, plan.left, plan.right, plan.scale, 0, plan.io))
+                         (Nq, Nk, plan.left, plan.right, plan.scale, 0.0, 0, 0, plan.io))
         # (dQacc, dQ | Nq, d, Br, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),
