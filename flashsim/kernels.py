@@ -9,10 +9,12 @@ the kernels through CuPy.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -415,32 +417,41 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH; install the CUDA toolkit to build")
-    rows: list[BuildRow] = []
     modes = (False, True) if instrumented is None else (instrumented,)
     kdir = kernel_dir()
     sources = [source] if source is not None else list(SOURCES)
+    # one nvcc per (source, build, kernel): the jobs run in parallel, one per core (ptxas
+    # on the tensor-core kernels' 255-register instances is most of the time)
+    jobs = [(src, count_io, k, target) for src in sources for count_io in modes
+            for k in SOURCES[src] if (target := source_arch(src, arch)) is not None]
+
+    def compile_one(job, tmp):
+        src, count_io, k, target = job
+        exprs = [i.expr for i in instances(src) if i.kernel == k]
+        inst = Path(tmp) / "instances.cu"
+        refs = ",\n    ".join(f"(void*)&{e}" for e in exprs)
+        inst.write_text(f'#include "{src}"\n'
+                        f"void* flashsim_instances[] = {{\n    {refs}\n}};\n")
+        # -gencode, not -arch, for sm_90a: -arch=sm_90a would add a plain sm_90 pass,
+        # which rejects wgmma
+        gen = (f"-gencode=arch=compute_{target[3:]},code={target}" if target.endswith("a")
+               else f"-arch={target}")
+        cmd = [nvcc, gen, "-std=c++17", "-cubin", "-Xptxas", "-v",
+               f"-I{kdir}", "-o", str(Path(tmp) / "out.cubin"), str(inst)]
+        if count_io:
+            cmd.insert(1, "-DFLASHSIM_COUNT_IO")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+        return [r for r in _parse_ptxas(proc.stderr, src, count_io) if r.kernel == k]
+
     with tempfile.TemporaryDirectory() as tmp:
-        for src, count_io in ((s, c) for s in sources for c in modes):
-            target = source_arch(src, arch)
-            if target is None:
-                continue
-            inst = Path(tmp) / "instances.cu"
-            refs = ",\n    ".join(f"(void*)&{e}" for e in name_expressions(src))
-            inst.write_text(f'#include "{src}"\n'
-                            f"void* flashsim_instances[] = {{\n    {refs}\n}};\n")
-            # -gencode, not -arch, for sm_90a: -arch=sm_90a would add a plain sm_90 pass,
-            # which rejects wgmma
-            gen = (f"-gencode=arch=compute_{target[3:]},code={target}" if target.endswith("a")
-                   else f"-arch={target}")
-            cmd = [nvcc, gen, "-std=c++17", "-cubin", "-Xptxas", "-v",
-                   f"-I{kdir}", "-o", str(Path(tmp) / "out.cubin"), str(inst)]
-            if count_io:
-                cmd.insert(1, "-DFLASHSIM_COUNT_IO")
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
-            rows += _parse_ptxas(proc.stderr, src, count_io)
-    return rows
+        dirs = [Path(tmp) / str(n) for n in range(len(jobs))]
+        for d in dirs:
+            d.mkdir()
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            done = list(pool.map(compile_one, jobs, dirs))
+    return [r for rows in done for r in rows]
 
 
 def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:

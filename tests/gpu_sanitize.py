@@ -9,7 +9,7 @@
 Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, both the
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
-into dQ); the reference rung with a window, softcap and ALiBi; and the decoding kernels
+into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
 (kernels_cu/splitkv_tc.cu).
 """
 
@@ -78,6 +78,14 @@ def main(n_cases: int = 8) -> int:
                                           block_sizes=blocks, count_io=True,
                                           deterministic=causal, **var)
                 launches += 4
+                if dtype in ("float16", "bfloat16") and d == dv and d in (64, 128):
+                    # the fast rungs' softcap/ALiBi instances: tc, and auto (wg on sm_90)
+                    for kernel in ("tc", "auto"):
+                        out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, kernel=kernel,
+                                                    count_io=kernel == "tc", **var)[:2]
+                    fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
+                                              kernel="tc", deterministic=not causal, **var)
+                    launches += 5
     launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
     import cupy as cp
     cp.cuda.Device().synchronize()

