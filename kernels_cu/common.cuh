@@ -74,6 +74,32 @@ struct Band {
     }
 };
 
+// -- packed variable-length batches (flashsim.varlen) -----------------------------------
+// A dense launch runs problems of Nq × Nk, tile blockIdx.x of each. A varlen launch (vl not
+// null) runs the sequences of a packed batch laid out as (problems, total rows, ·): the
+// kernel's Nq and Nk are the totals (each problem's row stride), sequence b's rows start
+// at cu_q[b], cu_k[b] within each problem, and blockIdx.x walks only real tiles:
+//   vl = [B, cu_q[0..B], cu_k[0..B], cu_t[0..B], (b, tile) per blockIdx.x]
+// cu_t counts the launch's Q tiles (of Br rows) per sequence, cumulatively: the
+// deterministic backward's turn counters are indexed by it.
+struct Seq {
+    long long q0, k0;   // first row of the sequence in each problem's Q (O, L) and K (V)
+    int Nq, Nk;         // its lengths
+    int tile;           // the tile of the sequence this CTA runs
+    int b;              // the sequence (0 for a dense launch)
+    int t0, tiles;      // its first Q tile among all sequences', and the total (dense: 0, ⌈Nq/Br⌉)
+};
+__device__ __forceinline__ Seq seq_of(const int* vl, unsigned x, int Nq, int Nk, int Br) {
+    if (vl == nullptr) return Seq{0, 0, Nq, Nk, (int)x, 0, 0, (Nq + Br - 1) / Br};
+    const int B = vl[0];
+    const int* cu_q = vl + 1;
+    const int* cu_k = cu_q + B + 1;
+    const int* cu_t = cu_k + B + 1;
+    const int b = cu_t[B + 1 + 2 * x], tile = cu_t[B + 2 + 2 * x];
+    return Seq{cu_q[b], cu_k[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], tile, b,
+               cu_t[b], cu_t[B]};
+}
+
 // -- the variants' scores -----------------------------------------------------------
 // S = softcap · tanh(s / softcap) − slope · |r + off − c| for s = scale · q·k (softcap 0:
 // none; slope 0: no ALiBi), the order of flashsim.variants.Scores.finish. *t receives the

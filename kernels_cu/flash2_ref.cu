@@ -20,6 +20,9 @@
 // T ∈ {__half, __nv_bfloat16, float, double}; arithmetic in AccOf<T> (float; double for
 // double). Layout: Q, O (problems, Nq, d|dv); K, V (kv problems, Nk, d|dv) with
 // kv_index[p] naming the K/V problem of query problem p (GQA groups, broadcast batch).
+// flash2_fwd and flash2_bwd_main also run packed variable-length batches (vl not null:
+// common.cuh's seq_of): the problems are heads over (heads, total rows, ·), each CTA one
+// real tile of one sequence, the pre- and post-pass one problem of all the rows.
 // Every HBM↔SRAM move is tagged like the simulator's, e.g. "HBM→SRAM: K_j (Bc·d)".
 //
 // Build: compiled at run time by flashsim.gpu through CuPy (RawModule, name_expressions
@@ -34,7 +37,8 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
                            T* __restrict__ O, float* __restrict__ L,
                            int Nq, int Nk, int d, int dv, int Br, int Bc, int left, int right,
                            typename AccOf<T>::type scale, typename AccOf<T>::type softcap,
-                           const float* __restrict__ slopes, unsigned long long* io) {
+                           const float* __restrict__ slopes, const int* __restrict__ vl,
+                           unsigned long long* io) {
     using A = typename AccOf<T>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sQ = reinterpret_cast<A*>(smem_raw);   // Br·d
@@ -47,19 +51,24 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     A* sa = sl + Br;                          // Br: rescale e^{m_old − m_new}
 
     const int tid = threadIdx.x, nt = blockDim.x;
-    const int i = blockIdx.x, p = blockIdx.y;
-    const int i0 = i * Br, rows = min(Br, Nq - i0);
-    const long long q_row = (long long)p * Nq + i0;
+    // the sequence and tile: problem p's only one (dense), or one of a packed batch's
+    const Seq sq = seq_of(vl, blockIdx.x, Nq, Nk, Br);
+    const int i = sq.tile, p = blockIdx.y;
+    const int nq = sq.Nq, nk = sq.Nk;                 // this sequence's lengths
+    const int i0 = i * Br, rows = min(Br, nq - i0);
+    const long long q_row = (long long)p * Nq + sq.q0 + i0;
     const T* Qi = Q + q_row * d;
     T* Oi = O + q_row * dv;
     float* Li = L + q_row;
     const long long kv = kv_index[p];
-    const T* Kp = K + kv * Nk * d;
-    const T* Vp = V + kv * Nk * dv;
-    const Band band{left, right, Nk - Nq};
-    const Scores<A> score{softcap, slopes != nullptr ? (A)slopes[p] : A(0), Nk - Nq};
+    const T* Kp = K + (kv * Nk + sq.k0) * d;
+    const T* Vp = V + (kv * Nk + sq.k0) * dv;
+    const Band band{left, right, nk - nq};
+    // slopes per query problem, or per (sequence, problem) in a packed batch
+    const A slope = slopes == nullptr ? A(0) : (A)slopes[(long long)sq.b * gridDim.y + p];
+    const Scores<A> score{softcap, slope, nk - nq};
     int jlo, jhi;
-    band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+    band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
 
     if (jhi < jlo) {  // no row of this tile sees a key: O_i = 0, L_i = −∞, nothing read
         for (int x = tid; x < rows * dv; x += nt) Oi[x] = from_acc<T>(A(0));
@@ -74,7 +83,7 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     for (int r = tid; r < rows; r += nt) { sm[r] = neg_inf<A>(); sl[r] = A(0); }
 
     for (int j = jlo; j <= jhi; ++j) {
-        const int j0 = j * Bc, cols = min(Bc, Nk - j0);
+        const int j0 = j * Bc, cols = min(Bc, nk - j0);
         __syncthreads();  // the last step is done with sK, sV, sS
         for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kp[(long long)j0 * d + x]);
         for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vp[(long long)j0 * dv + x]);
@@ -160,7 +169,7 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
                                 int right, typename AccOf<T>::type scale,
                                 typename AccOf<T>::type softcap,
                                 const float* __restrict__ slopes, int* __restrict__ sem,
-                                unsigned long long* io) {
+                                const int* __restrict__ vl, unsigned long long* io) {
     using A = typename AccOf<T>::type;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* sK = reinterpret_cast<A*>(smem_raw);   // Bc·d
@@ -175,17 +184,21 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
     A* sD = sL + Br;                          // Br
 
     const int tid = threadIdx.x, nt = blockDim.x;
-    const int j = blockIdx.x, p = blockIdx.y;
-    const int j0 = j * Bc, cols = min(Bc, Nk - j0);
+    // the sequence and K/V tile (seq_of: dense, or a packed batch's real tiles)
+    const Seq sq = seq_of(vl, blockIdx.x, Nq, Nk, Br);
+    const int j = sq.tile, p = blockIdx.y;
+    const int nq = sq.Nq, nk = sq.Nk;
+    const int j0 = j * Bc, cols = min(Bc, nk - j0);
     const long long kv = kv_index[p];
-    const T* Kj = K + (kv * Nk + j0) * d;
-    const T* Vj = V + (kv * Nk + j0) * dv;
-    T* dKj = dK + ((long long)p * Nk + j0) * d;    // per query problem; GQA sums later
-    T* dVj = dV + ((long long)p * Nk + j0) * dv;
-    const Band band{left, right, Nk - Nq};
-    const Scores<A> score{softcap, slopes != nullptr ? (A)slopes[p] : A(0), Nk - Nq};
+    const T* Kj = K + (kv * Nk + sq.k0 + j0) * d;
+    const T* Vj = V + (kv * Nk + sq.k0 + j0) * dv;
+    T* dKj = dK + ((long long)p * Nk + sq.k0 + j0) * d;    // per query problem; GQA sums later
+    T* dVj = dV + ((long long)p * Nk + sq.k0 + j0) * dv;
+    const Band band{left, right, nk - nq};
+    const A slope = slopes == nullptr ? A(0) : (A)slopes[(long long)sq.b * gridDim.y + p];
+    const Scores<A> score{softcap, slope, nk - nq};
     int ilo, ihi;
-    band.q_range(j0, j0 + cols, Nq, Br, &ilo, &ihi);
+    band.q_range(j0, j0 + cols, nq, Br, &ilo, &ihi);
 
     for (int x = tid; x < cols * d; x += nt) sdK[x] = A(0);
     for (int x = tid; x < cols * dv; x += nt) sdV[x] = A(0);
@@ -196,8 +209,8 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
         COUNT_IO(io, IO_V_R, (long long)cols * dv * sizeof(T));   // HBM→SRAM: V_j (Bc·dv)
     }
     for (int i = ilo; i <= ihi; ++i) {
-        const int i0 = i * Br, rows = min(Br, Nq - i0);
-        const long long q_row = (long long)p * Nq + i0;
+        const int i0 = i * Br, rows = min(Br, nq - i0);
+        const long long q_row = (long long)p * Nq + sq.q0 + i0;
         __syncthreads();  // the last step is done with sQ, sdO, sP, sdS
         for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Q[q_row * d + x]);
         for (int x = tid; x < rows * dv; x += nt) sdO[x] = to_acc<A>(dO[q_row * dv + x]);
@@ -241,11 +254,11 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
             for (int r = 0; r < rows; ++r) acc += sdS[r * Bc + c] * sQ[r * d + k];
             sdK[x] += scale * acc;
         }
-        int* turn = sem + ((long long)p * ((Nq + Br - 1) / Br) + i);
+        int* turn = sem + ((long long)p * sq.tiles + sq.t0 + i);
         int mine = 0;                                             // visiting tiles before j
         if (sem != nullptr) {                                     // deterministic: in order of j
             int jlo, jhi;
-            band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+            band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
             mine = j - jlo;
             wait_turn(turn, mine);
         }

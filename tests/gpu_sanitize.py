@@ -37,7 +37,7 @@ def dev(x, dtype):
 def main(n_cases: int = 8) -> int:
     rng = np.random.default_rng(0)
     dtypes = ["float16", "float32", "float64"] + (["bfloat16"] if HAVE_TORCH else [])
-    launches = 0
+    launches = fast_variants = 0
     for case in range(n_cases):
         Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
         d = int(rng.choice([3, 16, 40, 64, 128]))
@@ -86,11 +86,13 @@ def main(n_cases: int = 8) -> int:
                     fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
                                               kernel="tc", deterministic=not causal, **var)
                     launches += 5
+                    fast_variants += 5
     launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
-          "2 builds × the rungs, and the decoding kernels)")
+          f"2 builds × the rungs, and the decoding kernels; {fast_variants} of the fast rungs' "
+          "softcap/ALiBi instances)")
     return 0
 
 

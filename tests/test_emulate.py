@@ -93,6 +93,50 @@ def test_tensor_core_variants_backward_match_the_simulator(problem, deterministi
         G.check_variants_backward(*problem, deterministic, kernel="tc")
 
 
+@EMU
+@given(G.varlen_problems(dtypes=DTYPES), st.booleans())
+def test_varlen_matches_each_sequence_and_the_simulators_counts(problem, deterministic):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_varlen(*problem, deterministic=deterministic)
+
+
+def test_varlen_bad_input_gets_the_simulators_errors_before_any_launch(monkeypatch):
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+    monkeypatch.setattr(fs.gpu._device, "launch", no_launch)
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((9, 4, 16)), rng.standard_normal((7, 2, 16))
+    cu_q, cu_k = np.array([0, 4, 9]), np.array([0, 3, 7])
+    call = lambda **kw: fs.gpu.attention_varlen(   # noqa: E731
+        kw.pop("q", q), kw.pop("k", k), kw.pop("v", k), kw.pop("cu_q", cu_q),
+        kw.pop("cu_k", cu_k), **kw)
+    with pytest.raises(ValueError, match="must start at 0"):
+        call(cu_q=np.array([1, 4, 9]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        call(cu_k=np.array([0, 5, 3, 7]), cu_q=np.array([0, 4, 4, 9]))
+    with pytest.raises(ValueError, match="packed length"):
+        call(cu_q=np.array([0, 4, 8]))
+    with pytest.raises(ValueError, match="both need batch"):
+        call(cu_k=np.array([0, 7]))
+    with pytest.raises(TypeError, match="integer"):
+        call(cu_q=np.array([0.0, 4.0, 9.0]))
+    with pytest.raises(ValueError, match="3-D packed"):
+        call(q=q[None])
+    with pytest.raises(ValueError, match="multiple of the K/V heads"):
+        call(q=rng.standard_normal((9, 3, 16)))
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        call(max_seqlen_q=4)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        call(alibi_slopes=np.ones(3))
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        call(softcap=-1.0)
+    with pytest.raises(ValueError, match="reference kernel so far"):
+        call(kernel="tc")
+    with pytest.raises(ValueError, match="packed shape"):
+        fs.gpu.attention_varlen_backward(q, k, k, q[:, :, :8], np.zeros((4, 9)), q, cu_q, cu_k)
+
+
 def test_auto_picks_the_reference_rung_and_the_hopper_rung_is_not_emulated():
     q = np.random.default_rng(0).standard_normal((1, 1, 16, 64)).astype(np.float16)
     assert fs.gpu.block_sizes(q, q) == fs.gpu.block_sizes(q, q, kernel="ref")

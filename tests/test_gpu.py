@@ -679,3 +679,96 @@ def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic, ker
         assert np.isfinite(a).all(), name
         err, scale = np.abs(a - b).max(initial=0), max(np.abs(b).max(initial=0), mags[n])
         assert err <= rel * scale, (name, err, scale)
+
+
+# -- packed varlen batches (the reference rung) -------------------------------------------
+
+@st.composite
+def varlen_problems(draw, dtypes=None, max_len=70):
+    """A packed batch: lengths 0 and 1 among the others, Nq_b ≠ Nk_b, GQA, dv ≠ d, the
+    variants (ALiBi per head or per sequence), tiles that cut the sequences."""
+    B = draw(st.integers(0, 4))
+    nq = draw(st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_len)),
+                       min_size=B, max_size=B))
+    nk = draw(st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_len)),
+                       min_size=B, max_size=B))
+    d = draw(st.sampled_from([8, 16, 40, 64]))
+    dv = draw(st.sampled_from([d, 24]))
+    dtype = draw(st.sampled_from(dtypes or DTYPES))
+    hk, g = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, 30), st.integers(-1, 30))))
+    softcap = draw(st.one_of(st.none(), st.floats(0.5, 20.0)))
+    alibi = draw(st.sampled_from([None, "heads", "batch"]))
+    blocks = draw(st.tuples(st.sampled_from([8, 16, 32]), st.sampled_from([8, 16, 32])))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rnd = make_precision("kernel", dtype).io_round
+    cu_q = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(nk)]).astype(np.int32)
+    q = rnd(rng.standard_normal((int(cu_q[-1]), hk * g, d))).astype(np.float64)
+    k = rnd(rng.standard_normal((int(cu_k[-1]), hk, d))).astype(np.float64)
+    v = rnd(rng.standard_normal((int(cu_k[-1]), hk, dv))).astype(np.float64)
+    slopes = None if alibi is None else rng.uniform(0.0, 0.5, (B, hk * g) if alibi == "batch"
+                                                     else (hk * g,))
+    return q, k, v, cu_q, cu_k, dtype, blocks, dict(causal=causal, window=window,
+                                                     softcap=softcap, alibi_slopes=slopes)
+
+
+def _sequence_slopes(slopes, b):
+    return None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+
+
+def check_varlen(q, k, v, cu_q, cu_k, dtype, blocks, variants, deterministic=True):
+    """The packed launch against (1) the simulator's varlen traffic, byte for byte, and
+    (2) the same kernel run on each sequence alone as a dense problem: the same tiles
+    and arithmetic, so out, lse and (deterministic) the gradients are the same bits."""
+    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    out, lse, traffic = fs.gpu.attention_varlen(qd, kd, vd, cu_q, cu_k, block_sizes=blocks,
+                                                count_io=True, kernel="ref", **variants)
+    o, L = host(out), host(lse)
+    assert o.shape == (q.shape[0], q.shape[1], v.shape[2]) and L.shape == (q.shape[1], q.shape[0])
+    sim = fs.count_varlen("flash2", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, heads=q.shape[1],
+                          kv_heads=k.shape[1], d=q.shape[2], dv=v.shape[2],
+                          block_sizes=blocks, io_dtype=dtype, causal=variants["causal"],
+                          window=variants["window"])
+    assert traffic == sim, traffic.diff(sim)
+    rnd = make_precision("kernel", dtype).io_round
+    dout = rnd(np.random.default_rng(3).standard_normal(o.shape)).astype(np.float64)
+    *grads, gtraffic = fs.gpu.attention_varlen_backward(
+        qd, kd, vd, out, lse, dev(dout, dtype), cu_q, cu_k, block_sizes=blocks, count_io=True,
+        kernel="ref", deterministic=deterministic, **variants)
+    grads = [host(x) for x in grads]
+    gsim = fs.count_varlen_backward("flash2", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    heads=q.shape[1], kv_heads=k.shape[1], d=q.shape[2],
+                                    dv=v.shape[2], block_sizes=blocks, io_dtype=dtype,
+                                    causal=variants["causal"], window=variants["window"],
+                                    softcap=variants["softcap"])
+    assert gtraffic == gsim, gtraffic.diff(gsim)
+    for b in range(len(cu_q) - 1):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if sq.start == sq.stop:
+            continue
+        if sk.start == sk.stop:      # no key: out = 0, lse = −∞, no gradient for q
+            assert (o[sq] == 0).all() and np.isneginf(L[:, sq]).all()
+            assert (grads[0][sq] == 0).all()
+            continue
+        heads = lambda x: np.ascontiguousarray(np.moveaxis(x, 0, 1))   # noqa: E731
+        var = dict(variants, alibi_slopes=_sequence_slopes(variants["alibi_slopes"], b))
+        qb, kb, vb = (dev(heads(x[s]), dtype) for x, s in ((q, sq), (k, sk), (v, sk)))
+        ob, Lb = fs.gpu.attention(qb, kb, vb, block_sizes=blocks, kernel="ref", **var)
+        np.testing.assert_array_equal(heads(o[sq]), host(ob))
+        np.testing.assert_array_equal(L[:, sq], host(Lb))
+        gb = fs.gpu.attention_backward(qb, kb, vb, ob, Lb, dev(heads(dout[sq]), dtype),
+                                       block_sizes=blocks, kernel="ref",
+                                       deterministic=True, **var)
+        for name, a, want, s in zip(("dq", "dk", "dv"), grads, gb, (sq, sk, sk)):
+            got, want = heads(a[s]), host(want)
+            if deterministic or name != "dq":
+                np.testing.assert_array_equal(got, want, err_msg=name)
+            else:   # unordered fp32 atomics: the last bits of dQ
+                np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max(initial=1))
+
+
+@given(varlen_problems(), st.booleans())
+def test_varlen_matches_each_sequence_and_the_simulators_counts(poisoned, problem, deterministic):
+    check_varlen(*problem, deterministic=deterministic)

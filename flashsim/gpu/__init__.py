@@ -28,7 +28,9 @@ from ._device import (GPUUnavailableError, INSTALL_HINT, THREADS, available, com
                       emulated, is_emulated, smem_limit)
 from .flash2 import KERNELS, attention, attention_backward, block_sizes
 from .decode import KVCachePlan, attention_with_kvcache, kvcache_plan
+from .varlen import attention_varlen, attention_varlen_backward
 
 __all__ = ["GPUUnavailableError", "INSTALL_HINT", "KERNELS", "KVCachePlan", "THREADS",
-           "attention", "attention_backward", "attention_with_kvcache", "available", "block_sizes", "compile_options", "emulated",
+           "attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "attention_with_kvcache", "available", "block_sizes", "compile_options", "emulated",
            "is_emulated", "kvcache_plan", "smem_limit"]

@@ -229,7 +229,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                 K.grid("flash2_fwd", Nq, shape.Nk, Br, Bc, P), smem,
                 (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(shape.d),
                  i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
-                 dev.scalar(dtype, scale), cap, slopes, io))
+                 dev.scalar(dtype, scale), cap, slopes, np.uint64(0), io))
     out = arrays.out(cp, O.reshape(shape.batch_shape + (Nq, shape.dv)), dtype, qi.torch)
     lse = arrays.out(cp, L.reshape(shape.batch_shape + (Nq,)), "float32", qi.torch)
     return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
@@ -336,7 +336,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
         dev.launch(cp, dev.kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d),
                  i32(dv), i32(Br), i32(Bc), i32(left), i32(right), dev.scalar(dtype, scale),
-                 cap, slopes, sem, io))
+                 cap, slopes, sem, np.uint64(0), io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", dtype, count_io),
             grid("flash2_bwd_postprocess"), 0,
             (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))

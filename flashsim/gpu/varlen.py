@@ -1,0 +1,251 @@
+"""Packed variable-length batches on the GPU: `flashsim.simulate_varlen`'s call,
+``flash_attn_varlen_func``'s layout.
+
+    out, lse = fs.gpu.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)
+    dq, dk, dv = fs.gpu.attention_varlen_backward(q, k, v, out, lse, dout,
+                                                  cu_seqlens_q, cu_seqlens_k, causal=True)
+
+q (total_q, Hq, d), k (total_k, Hk, d), v (total_k, Hk, dv) packed; out like q with dv,
+lse (Hq, total_q) fp32, heads first, as FlashAttention's varlen forward returns it.
+Sequence b is q[cu_q[b]:cu_q[b+1]] against k, v[cu_k[b]:cu_k[b+1]], a causal mask or
+window aligned to the bottom-right corner of its own Nq_b × Nk_b scores; lengths of 0
+are allowed (an empty key sequence gives out = 0, lse = −∞).
+
+The reference rung runs them (float16/bfloat16 warn once that it is the slow rung): its
+forward and backward main loop walk a table of the real tiles (kernels_cu/common.cuh's
+seq_of), so the grid covers no padding and ``count_io=True`` counts exactly
+`fs.simulate_varlen`'s bytes for the same block sizes (``block_sizes(q, v)`` on the
+(heads, tokens, d) view, the same for every sequence). The packed arrays are read as
+(heads, tokens, ·): one transposing copy of q, k, v (and dout, out) on the way in, and of
+the results on the way out, outside the counted traffic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels as K
+from ..problem import Shape, check_scale
+from ..varlen import _check_batches, _slopes_per_sequence, check_cu_seqlens
+from ..variants import check_softcap, make_band
+from . import _arrays as arrays, _device as dev
+from .flash2 import KERNELS, _blocks, _warn_reference
+
+_REF = "the reference kernel"
+
+
+def _host_ints(name: str, x) -> np.ndarray:
+    """cu_seqlens as host integers, from NumPy, a list, CuPy or PyTorch (one small copy:
+    the grid is sized from them before any launch, as flash_attn's is from max_seqlen)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "__cuda_array_interface__"):
+        x = dev.cupy().asnumpy(x)
+    a = np.asarray(x)
+    return check_cu_seqlens(name, a)
+
+
+def _check_max(name: str, given, lengths: np.ndarray) -> None:
+    if given is None:
+        return
+    if isinstance(given, bool) or not isinstance(given, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {given!r}")
+    longest = int(lengths.max(initial=0))
+    if given < longest:
+        raise ValueError(f"{name}={given} is shorter than the longest sequence ({longest}); "
+                         f"pass at least {longest}, or None to take it from the cu_seqlens")
+
+
+class _Batch:
+    """A validated packed batch on the device, heads first: Q (Hq, total_q, d), K (Hk,
+    total_k, d), V (Hk, total_k, dv), kv_index (Hq,), the cumulative lengths on the host,
+    the band, softcap and slopes (B, Hq) for the kernels."""
+
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 causal, scale, window, softcap, alibi_slopes, kernel):
+        cp = dev.cupy()
+        qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
+        for name, x, what in (("q", qi, "total_q, heads, d"), ("k", ki, "total_k, kv_heads, d"),
+                              ("v", vi, "total_k, kv_heads, dv")):
+            if len(x.shape) != 3:
+                raise ValueError(f"{name} must be 3-D packed ({what}), got shape {x.shape}")
+        if not qi.dtype == ki.dtype == vi.dtype:
+            raise TypeError(f"q, k, v must share one dtype, got {qi.dtype}, {ki.dtype}, "
+                            f"{vi.dtype}")
+        if ki.shape[:2] != vi.shape[:2]:
+            raise ValueError(f"k {ki.shape} and v {vi.shape} must have the same tokens and "
+                             "heads (axes 0 and 1)")
+        (Tq, Hq, d), (Tk, Hk, _), dv = qi.shape, ki.shape, vi.shape[2]
+        if qi.shape[2] != d or ki.shape[2] != d:
+            raise ValueError(f"q and k must share the head dim d: q has {d}, k {ki.shape[2]}")
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(f"the query heads ({Hq}) must be a multiple of the K/V heads "
+                             f"({Hk}) (GQA groups)")
+        if max(d, dv) > 256:
+            raise ValueError(f"head dims up to 256 are supported, got d={d}, dv={dv}")
+        self.cu_q = _host_ints("cu_seqlens_q", cu_seqlens_q)
+        self.cu_k = _host_ints("cu_seqlens_k", cu_seqlens_k)
+        check_cu_seqlens("cu_seqlens_q", self.cu_q, Tq)
+        check_cu_seqlens("cu_seqlens_k", self.cu_k, Tk)
+        self.B = _check_batches(self.cu_q, self.cu_k)
+        _check_max("max_seqlen_q", max_seqlen_q, np.diff(self.cu_q))
+        _check_max("max_seqlen_k", max_seqlen_k, np.diff(self.cu_k))
+        band = make_band(causal, window)
+        cap = check_softcap(softcap)
+        slopes = _slopes_per_sequence(alibi_slopes, self.B, Hq)
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel in ("tc", "wg"):
+            raise ValueError(f"packed varlen batches run on {_REF} so far; use kernel='ref' "
+                             f"or 'auto' (got kernel={kernel!r})")
+        if kernel == "auto":
+            _warn_reference(qi.dtype, "a packed varlen batch (the fast rungs do not run "
+                                      "it yet)")
+        self.dtype, self.torch = qi.dtype, qi.torch
+        self.Tq, self.Tk, self.Hq, self.Hk, self.d, self.dv = Tq, Tk, Hq, Hk, d, dv
+        # what the block sizes depend on (d, dv); N is the longest sequence's
+        self.shape = Shape(int(np.diff(self.cu_q).max(initial=0)),
+                           int(np.diff(self.cu_k).max(initial=0)), d, dv, (Hq,), (Hq,),
+                           (Hk,), Hq // Hk)
+        self.scale = check_scale(scale, d)
+        self.left = -1 if band.left is None else band.left
+        self.right = -1 if band.right is None else band.right
+        self.cap = dev.scalar(self.dtype, cap or 0.0)
+        self.slopes = (np.uint64(0) if alibi_slopes is None or self.B == 0 else
+                       cp.asarray(np.ascontiguousarray(np.stack(slopes), np.float32)))
+        self.Q = heads_first(cp, qi.arr)
+        self.K = heads_first(cp, ki.arr)
+        self.V = heads_first(cp, vi.arr)
+        self.kv_index = cp.asarray((np.arange(Hq) // (Hq // Hk)).astype(np.int32))
+
+    def table(self, Br: int, Bc: int, over: str):
+        """The kernels' vl array: B, cu_q, cu_k, cumulative Q tiles of Br, and (b, tile)
+        for each CTA along x: the Q tiles of Br (over="q") or K/V tiles of Bc ("kv") of
+        every sequence, none for an empty one. Returns (vl on the device, CTAs)."""
+        nq, nk = np.diff(self.cu_q), np.diff(self.cu_k)
+        tq = -(-nq // Br)
+        tiles = tq if over == "q" else -(-nk // Bc)
+        b = np.repeat(np.arange(self.B), tiles)
+        start = np.repeat(np.cumsum(tiles) - tiles, tiles)
+        tile = np.arange(int(tiles.sum())) - start
+        cu_t = np.concatenate([[0], np.cumsum(tq)])
+        vl = np.concatenate([[self.B], self.cu_q, self.cu_k, cu_t,
+                             np.stack([b, tile], axis=1).reshape(-1)]).astype(np.int32)
+        return dev.cupy().asarray(vl), int(tiles.sum()), int(cu_t[-1])
+
+
+def heads_first(cp, x):
+    """(tokens, heads, ·) → contiguous (heads, tokens, ·)."""
+    return cp.ascontiguousarray(x.transpose(1, 0, 2))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                     max_seqlen_k=None, causal: bool = False, scale=None, window=None,
+                     softcap=None, alibi_slopes=None, block_sizes=None,
+                     count_io: bool = False, kernel: str = "auto"):
+    """FlashAttention-2 forward over a packed batch: (out, lse), or (out, lse, traffic)
+    with ``count_io=True``. out (total_q, Hq, dv) in q's dtype, lse (Hq, total_q) fp32.
+    ``max_seqlen_q``/``max_seqlen_k``, when given (flash_attn's arguments), must be at
+    least the longest sequence. ``alibi_slopes``: (Hq,) or (batch, Hq). ``kernel``:
+    "ref" or "auto" (the reference rung runs packed batches so far)."""
+    with arrays.stream(q):
+        return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        causal, scale, window, softcap, alibi_slopes, block_sizes,
+                        count_io, kernel)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+             scale, window, softcap, alibi_slopes, block_sizes, count_io, kernel):
+    cp = dev.cupy()
+    bt = _Batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                scale, window, softcap, alibi_slopes, kernel)
+    Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=False)
+    vl, ctas, _ = bt.table(Br, Bc, "q")
+    O = arrays.empty(cp, (bt.Hq, bt.Tq, bt.dv), arrays.storage(cp, bt.dtype))
+    L = arrays.empty(cp, (bt.Hq, bt.Tq), cp.float32)
+    io = dev.counters(cp, count_io)
+    i32 = np.int32
+    smem = K.smem_bytes("flash2_fwd", Br, Bc, bt.d, bt.dv, bt.dtype)
+    dev.launch(cp, dev.kernel("flash2_fwd", bt.dtype, count_io), (ctas, bt.Hq), smem,
+               (bt.Q, bt.K, bt.V, bt.kv_index, O, L, i32(bt.Tq), i32(bt.Tk), i32(bt.d),
+                i32(bt.dv), i32(Br), i32(Bc), i32(bt.left), i32(bt.right),
+                dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, vl, io))
+    out = arrays.out(cp, heads_first(cp, O), bt.dtype, bt.torch)
+    lse = arrays.out(cp, L, "float32", bt.torch)
+    return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
+
+
+def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *,
+                              max_seqlen_q=None, max_seqlen_k=None, causal: bool = False,
+                              scale=None, window=None, softcap=None, alibi_slopes=None,
+                              block_sizes=None, count_io: bool = False, kernel: str = "auto",
+                              deterministic: bool = False):
+    """FlashAttention-2 backward over a packed batch: (dq, dk, dv) packed like q, k, v,
+    or with the traffic (``count_io=True``). out and dout (total_q, Hq, dv) in q's dtype,
+    lse (Hq, total_q) as `attention_varlen` returns them; the variants as given to the
+    forward. ``deterministic=True``: dQ's K/V tiles add in a fixed order (same bits every
+    run)."""
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    with arrays.stream(q):
+        return _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
+                         block_sizes, count_io, kernel, deterministic)
+
+
+def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, causal, scale, window, softcap, alibi_slopes, block_sizes,
+              count_io, kernel, deterministic):
+    cp = dev.cupy()
+    bt = _Batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                scale, window, softcap, alibi_slopes, kernel)
+    want = (bt.Tq, bt.Hq, bt.dv)
+    saved = []
+    for name, x in (("out", out), ("dout", dout)):
+        xi = arrays.In(x, name)
+        if xi.shape != want:
+            raise ValueError(f"{name} must have the packed shape (total_q, heads, dv) = "
+                             f"{want}, got {xi.shape}")
+        if xi.dtype != bt.dtype:
+            raise TypeError(f"{name} must have q's dtype {bt.dtype}, got {xi.dtype}")
+        saved.append(heads_first(cp, xi.arr))
+    O, dO = saved
+    li = arrays.In(lse, "lse") if not isinstance(lse, np.ndarray) else None
+    L = cp.asarray(np.asarray(lse, np.float32)) if li is None else li.arr
+    if li is not None and li.dtype == "bfloat16":
+        raise TypeError("lse must be float32, not bfloat16")
+    if tuple(L.shape) != (bt.Hq, bt.Tq):
+        raise ValueError(f"lse must have shape (heads, total_q) = {(bt.Hq, bt.Tq)}, got "
+                         f"{tuple(L.shape)}")
+    L = cp.ascontiguousarray(L.astype(cp.float32, copy=False))
+    Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=True)
+    vl, ctas, q_tiles = bt.table(Br, Bc, "kv")
+    st = arrays.storage(cp, bt.dtype)
+    D = arrays.empty(cp, (bt.Hq, bt.Tq), cp.float32)
+    dQacc = arrays.empty(cp, (bt.Hq, bt.Tq, bt.d), cp.float32)
+    dQ = arrays.empty(cp, (bt.Hq, bt.Tq, bt.d), st)
+    dK = arrays.empty(cp, (bt.Hq, bt.Tk, bt.d), st)
+    dV = arrays.empty(cp, (bt.Hq, bt.Tk, bt.dv), st)
+    io = dev.counters(cp, count_io)
+    i32 = np.int32
+    # one turn counter per (head, Q tile of a sequence); a null pointer: unordered atomics
+    sem = cp.zeros(bt.Hq * q_tiles, dtype=cp.int32) if deterministic else np.uint64(0)
+    # the pre- and post-pass are per row: all of a head's rows are one problem for them
+    rows = (-(-bt.Tq // Br), bt.Hq)
+    dev.launch(cp, dev.kernel("flash2_bwd_preprocess", bt.dtype, count_io), rows, 0,
+               (O, dO, D, dQacc, i32(bt.Tq), i32(bt.d), i32(bt.dv), i32(Br), io))
+    smem = K.smem_bytes("flash2_bwd_main", Br, Bc, bt.d, bt.dv, bt.dtype)
+    dev.launch(cp, dev.kernel("flash2_bwd_main", bt.dtype, count_io), (ctas, bt.Hq), smem,
+               (bt.Q, bt.K, bt.V, bt.kv_index, dO, L, D, dQacc, dK, dV, i32(bt.Tq),
+                i32(bt.Tk), i32(bt.d), i32(bt.dv), i32(Br), i32(Bc), i32(bt.left),
+                i32(bt.right), dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, sem, vl,
+                io))
+    dev.launch(cp, dev.kernel("flash2_bwd_postprocess", bt.dtype, count_io), rows, 0,
+               (dQacc, dQ, i32(bt.Tq), i32(bt.d), i32(Br), io))
+    g = bt.Hq // bt.Hk
+    if g > 1:     # GQA: each K/V head's gradient sums its group's, in fp32, rounded once
+        dK, dV = (arrays.from_f32(cp, arrays.to_f32(cp, x.reshape(bt.Hk, g, bt.Tk, w), bt.dtype)
+                                  .sum(axis=1), bt.dtype)
+                  for x, w in ((dK, bt.d), (dV, bt.dv)))
+    res = tuple(arrays.out(cp, heads_first(cp, x), bt.dtype, bt.torch) for x in (dQ, dK, dV))
+    return res + (dev.traffic(cp, io),) if count_io else res
