@@ -206,7 +206,7 @@ REGISTERS = {
               "flash2_fwd_wg": {64: 128, 128: 255}, "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
-    "sm_80": {"flash2_fwd": 56, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 64,
+    "sm_80": {"flash2_fwd": 80, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 96,
               "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 255, 128: 200},
               "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 224, 128: 242},
               "flash2_bwd_tc_det": {64: 224, 128: 243}, "kvcache_append": 34,

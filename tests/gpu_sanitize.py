@@ -10,7 +10,7 @@ Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, bot
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
 into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
-(kernels_cu/splitkv_tc.cu).
+(kernels_cu/splitkv_tc.cu), and packed varlen batches.
 """
 
 import sys
@@ -88,12 +88,40 @@ def main(n_cases: int = 8) -> int:
                     launches += 5
                     fast_variants += 5
     launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
+    launches += varlen(rng, n_cases, dtypes)
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
           f"2 builds × the rungs, and the decoding kernels; {fast_variants} of the fast rungs' "
           "softcap/ALiBi instances)")
     return 0
+
+
+def varlen(rng, n_cases, dtypes):
+    """Packed batches (the reference rung): lengths 0 and 1 among others, GQA, a window,
+    softcap and per-sequence ALiBi, both builds, the deterministic backward."""
+    launches = 0
+    for case in range(n_cases):
+        nq = rng.choice([0, 1, 17, 40], 3)
+        nk = rng.choice([0, 1, 23, 40], 3)
+        cu_q = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(nk)]).astype(np.int32)
+        d, hk, g = (16, 40)[case % 2], 2, (1, 2)[case % 2]
+        var = dict(causal=bool(case % 2), window=(int(rng.integers(0, 20)), -1),
+                   softcap=float(rng.uniform(1, 20)), alibi_slopes=rng.uniform(0, 0.5, (3, hk * g)))
+        for dtype in dtypes:
+            q = dev(rng.standard_normal((int(cu_q[-1]), hk * g, d)), dtype)
+            k = dev(rng.standard_normal((int(cu_k[-1]), hk, d)), dtype)
+            v = dev(rng.standard_normal((int(cu_k[-1]), hk, 24)), dtype)
+            for count_io in (False, True):
+                out, lse = fs.gpu.attention_varlen(q, k, v, cu_q, cu_k, count_io=count_io,
+                                                   block_sizes=(16, 8), kernel="ref", **var)[:2]
+                dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
+                fs.gpu.attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k,
+                                                 block_sizes=(16, 8), count_io=count_io,
+                                                 kernel="ref", deterministic=count_io, **var)
+                launches += 4
+    return launches
 
 
 def decoding(rng, n_cases, dtypes):
