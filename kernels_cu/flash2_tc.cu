@@ -2,7 +2,7 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//   flash2_fwd_tc<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
 //                        tiles Br × Bc = 128 × 128 (D = 64), 128 × 64 (D = 128; and on
 //                        Ampere at D = 64). Adds over
 //                        flash2_fwd (the reference):
@@ -21,10 +21,15 @@
 //                        - exp2 (one MUFU.EX2) with scale·log2(e) folded into one FMA,
 //                          deferred normalisation, ℓ kept per thread until the end;
 //                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
-//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D>  the backward (below); the
+//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D, VAR>  the backward (below); the
 //                        post-pass is the reference's flash2_bwd_postprocess;
 //                        flash2_bwd_tc_det<T, D> the same in deterministic mode.
-// Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
+// Every kernel but the pre-pass has a VAR template argument: VAR = true is the instance
+// for softcap and ALiBi (tensor_core.cuh's VarScores finish S in log2 units before the
+// mask; the backward multiplies dS by 1 − tanh²); the plain instance is unchanged by it.
+// Windows run on both (the band). Counts its traffic like the reference under
+// -DFLASHSIM_COUNT_IO. Runs in the CPU emulation too (host_emu.h): mma.sync, ldmatrix
+// and the special registers have host forms in warp.cuh and tensor_core.cuh.
 
 #include "warp.cuh"
 

@@ -36,26 +36,17 @@ __device__ __forceinline__ float ex2(float x) {
 // Special registers read through volatile asm: the compiler may not hoist the read, and
 // so keeps no value derived from it live across the caller's loops (registers are short
 // there); it reads the register again where the value is needed.
-__device__ __forceinline__ unsigned opaque_tid() {
-    unsigned v;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
-    return v;
-}
-__device__ __forceinline__ unsigned opaque_ctaid_x() {
-    unsigned v;
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
-    return v;
-}
-__device__ __forceinline__ unsigned opaque_ctaid_y() {
-    unsigned v;
-    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(v));
-    return v;
-}
-__device__ __forceinline__ unsigned opaque_nctaid_x() {
-    unsigned v;
-    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
-    return v;
-}
+#define FLASHSIM_OPAQUE_SREG(name, reg)                                                 \
+    __device__ __forceinline__ unsigned name() {                                        \
+        unsigned v;                                                                     \
+        asm volatile("mov.u32 %0, %%" reg ";\n" : "=r"(v));                             \
+        return v;                                                                       \
+    }
+FLASHSIM_OPAQUE_SREG(opaque_tid, "tid.x")
+FLASHSIM_OPAQUE_SREG(opaque_ctaid_x, "ctaid.x")
+FLASHSIM_OPAQUE_SREG(opaque_ctaid_y, "ctaid.y")
+FLASHSIM_OPAQUE_SREG(opaque_nctaid_x, "nctaid.x")
+#undef FLASHSIM_OPAQUE_SREG
 #else
 // The CPU emulation (host_emu.h). A shared-space address is the byte offset from the
 // block's dynamic shared memory, which the loader aligns to 1024 bytes as the GPU does,

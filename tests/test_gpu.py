@@ -555,18 +555,22 @@ def test_tiles_that_do_not_fit_fall_back_to_the_reference(monkeypatch, torch_in)
 # -- variants: window, softcap, ALiBi (the reference rung) ---------------------------------
 
 @st.composite
-def variant_problems(draw, dtypes=None):
-    Nq, Nk = draw(st.integers(1, 130)), draw(st.integers(1, 130))
-    d = draw(st.sampled_from([8, 16, 40, 64]))
-    dv = draw(st.sampled_from([d, 16]))
-    dtype = draw(st.sampled_from(dtypes or DTYPES))
+def variant_problems(draw, dtypes=None, max_seq=130, head_dims=(8, 16, 40, 64), fast=False):
+    """Variants for the reference rung (any d, dv ≠ d, its tiles drawn), or with
+    ``fast`` on the fast rungs' terms (d = dv ∈ TC_HEAD_DIMS, their own tiles: blocks
+    None); windows that cut tiles, and ones reaching past the matrix."""
+    Nq, Nk = draw(st.integers(1, max_seq)), draw(st.integers(1, max_seq))
+    d = draw(st.sampled_from(head_dims))
+    dv = d if fast else draw(st.sampled_from([d, 16]))
+    dtype = draw(st.sampled_from(dtypes or (TC_DTYPES if fast else DTYPES)))
     B, hk, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
     causal = draw(st.booleans())
-    # windows that cut tiles, and ones reaching past the matrix
-    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, 150), st.integers(-1, 150))))
-    softcap = draw(st.one_of(st.none(), st.floats(0.25, 30.0)))
+    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, max_seq + 20),
+                                                 st.integers(-1, max_seq + 20))))
+    softcap = draw(st.one_of(st.none(), st.floats(0.25, 50.0 if fast else 30.0)))
     alibi = draw(st.sampled_from([None, "heads", "batch"]))
-    blocks = draw(st.tuples(st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 64])))
+    blocks = None if fast else draw(st.tuples(st.sampled_from([16, 32, 64]),
+                                              st.sampled_from([16, 32, 64])))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rnd = make_precision("kernel", dtype).io_round
     q = rnd(rng.standard_normal((B, hk * g, Nq, d)) * 2).astype(np.float64)
@@ -591,28 +595,11 @@ def test_variants_forward_match_the_simulator(poisoned, problem):
     check_variants_forward(*problem)
 
 
-@st.composite
-def fast_variant_problems(draw, dtypes=None, max_seq=400):
+def fast_variant_problems(dtypes=None, max_seq=400):
     """Variants on the fast rungs' terms: float16/bfloat16, d = dv ∈ TC_HEAD_DIMS, their
-    own tiles (blocks None); windows that cut their 64- and 128-wide tiles."""
-    Nq, Nk = draw(st.integers(1, max_seq)), draw(st.integers(1, max_seq))
-    d = draw(st.sampled_from(fs.kernels.TC_HEAD_DIMS))
-    dtype = draw(st.sampled_from(dtypes or TC_DTYPES))
-    B, hk, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
-    causal = draw(st.booleans())
-    window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, max_seq + 20),
-                                                 st.integers(-1, max_seq + 20))))
-    softcap = draw(st.one_of(st.none(), st.floats(0.25, 50.0)))
-    alibi = draw(st.sampled_from([None, "heads", "batch"]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    rnd = make_precision("kernel", dtype).io_round
-    q = rnd(rng.standard_normal((B, hk * g, Nq, d)) * 2).astype(np.float64)
-    k = rnd(rng.standard_normal((B, hk, Nk, d)) * 2).astype(np.float64)
-    v = rnd(rng.standard_normal((B, hk, Nk, d))).astype(np.float64)
-    slopes = None if alibi is None else rng.uniform(0.0, 0.5, (B, hk * g) if alibi == "batch"
-                                                     else (hk * g,))
-    return q, k, v, dtype, None, dict(causal=causal, window=window, softcap=softcap,
-                                      alibi_slopes=slopes)
+    own tiles; windows that cut their 64- and 128-wide tiles."""
+    return variant_problems(dtypes=dtypes, max_seq=max_seq,
+                            head_dims=fs.kernels.TC_HEAD_DIMS, fast=True)
 
 
 @pytest.mark.parametrize("kernel", FAST_FORWARD)
