@@ -83,8 +83,9 @@ def _plain(src: str) -> str:
 
 
 def _no_variants(src: str) -> tuple:
-    """softcap 0 and no slopes, for a source whose kernels take them."""
-    return (np.float32(0), np.uint64(0)) if "bool VAR" in src else ()
+    """No softcap or ALiBi constants (k_in, k_out, slopes), for a source whose kernels take
+    them (the plain instance reads none)."""
+    return (np.float32(0), np.float32(0), np.uint64(0)) if "bool VAR" in src else ()
 
 
 def backward(cp, sources, D, N, variants, reps, rng):

@@ -44,6 +44,8 @@ TC_HEAD_DIMS = (64, 128)
 # Ampere (sm_8x) d = 128 runs the same tile as 8 warps of one m-tile (fewer registers)
 TC_BLOCKS = {64: (128, 128), 128: (128, 64)}
 TC_BLOCKS_AMPERE = {64: (128, 64), 128: (128, 64)}   # 128 keys at d = 64 spill on sm_80
+# the softcap/ALiBi instance (VAR) on sm_90: 64 keys at d = 64 too (128 spill there)
+TC_BLOCKS_VAR = {64: (128, 64), 128: (128, 64)}
 TC_THREADS = {64: 128, 128: 128}
 TC_THREADS_AMPERE = {64: 128, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps; on Ampere
@@ -52,9 +54,12 @@ TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
 
 
-def tc_blocks(d: int, cc_major: int) -> tuple[int, int]:
-    """(Br, Bc) of the tensor-core forward on a device of this compute capability."""
-    return (TC_BLOCKS_AMPERE if cc_major < 9 else TC_BLOCKS)[d]
+def tc_blocks(d: int, cc_major: int, variant: bool = False) -> tuple[int, int]:
+    """(Br, Bc) of the tensor-core forward on a device of this compute capability
+    (``variant``: its softcap/ALiBi instance)."""
+    if cc_major < 9:
+        return TC_BLOCKS_AMPERE[d]
+    return (TC_BLOCKS_VAR if variant else TC_BLOCKS)[d]
 
 
 def tc_threads(d: int, cc_major: int) -> int:
@@ -123,11 +128,11 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
-                backward: bool = False) -> bool:
+                backward: bool = False, variant: bool = False) -> bool:
     """The mma.sync rung (compute capability 8.0 on) runs these inputs with its tiles."""
     if not (dtype in TC_DTYPES and d == dv and d in TC_HEAD_DIMS and cc >= 80):
         return False
-    tiles = tc_bwd_blocks(d, cc // 10) if backward else tc_blocks(d, cc // 10)
+    tiles = tc_bwd_blocks(d, cc // 10) if backward else tc_blocks(d, cc // 10, variant)
     need = smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, d, dv, dtype)
     return (block_sizes is None or tuple(block_sizes) == tiles) and need <= smem_limit
 
@@ -201,15 +206,15 @@ def threads(kernel: str, d: int, cc: int) -> int:
 # they give against every instance's own count.
 REGISTERS = {
     "sm_90": {"flash2_fwd": 78, "flash2_bwd_preprocess": 32, "flash2_bwd_main": 93,
-              "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 254},
+              "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 255},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 128, 128: 255}, "kvcache_append": 32,
+              "flash2_fwd_wg": {64: 121, 128: 228}, "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 80, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 96,
-              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 255, 128: 200},
-              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 224, 128: 242},
-              "flash2_bwd_tc_det": {64: 224, 128: 243}, "kvcache_append": 34,
+              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 254, 128: 196},
+              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 240},
+              "flash2_bwd_tc_det": {64: 228, 128: 244}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 143, 128: 187},
               "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
 }

@@ -84,45 +84,11 @@ template <int D> __host__ __device__ constexpr bool late() { return FLASHSIM_TC_
 // keys per K/V tile: 128 at D = 64 on sm_90 (+4–7% over 64 on an H100, NOTES.md v5), 64
 // at D = 128 (a 128-key S does not fit beside O in 255 registers) and on Ampere (whose
 // ptxas spills the 128-key tile's instrumented build)
-template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : (D == 64 && !FLASHSIM_TC_AMPERE ? 128 : 64); }
-
-// mma.sync reads only its registers, so it need not be `asm volatile`: without it the
-// compiler may interleave one m-tile's MMAs with the other's softmax. The macro keeps
-// the volatile form for comparison in analysis/tune_tc.py.
-#ifndef FLASHSIM_TC_MMA_VOLATILE
-#define FLASHSIM_TC_MMA_VOLATILE 0
-#endif
-#if FLASHSIM_TC_MMA_VOLATILE
-#define FLASHSIM_MMA_ASM asm volatile
-#else
-#define FLASHSIM_MMA_ASM asm
-#endif
-
-template <typename T> struct Mma;
-#ifndef FLASHSIM_HOST
-template <> struct Mma<__half> {
-    static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
-        FLASHSIM_MMA_ASM(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <> struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float* c, const unsigned* a, const unsigned* b) {
-        FLASHSIM_MMA_ASM(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-#else  // the CPU emulation: warp.cuh's host mma
-template <typename T> struct Mma {
-    static void run(float* c, const unsigned* a, const unsigned* b) { mma16816<T>(c, a, b); }
-};
-#endif
+// The softcap/ALiBi instance (VAR) keeps 64 keys at D = 64: with 128 its scores' pass
+// spills on sm_90 (kernels_cu/NOTES.md, v9)
+template <int D, bool VAR = false> __host__ __device__ constexpr int bc() {
+    return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : (D == 64 && !FLASHSIM_TC_AMPERE && !VAR ? 128 : 64);
+}
 
 // Shared tiles are rows of D halves in 16-byte chunks; chunk c of row r lives at chunk
 // c ^ (r & 7) (load_tile writes them so, swz_base/swz_step read them). The 8 rows an
@@ -141,20 +107,6 @@ __device__ __forceinline__ unsigned swz_base(const void* tile, int r, int h) {
 __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
     return (base ^ ((k & 3) << 5)) + ((k >> 2) << 7);
 }
-#ifndef FLASHSIM_HOST
-__device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-#else
-inline void ldsm_x4(unsigned* r, unsigned addr) { ldmatrix_x4(r, smem_ptr(addr)); }
-inline void ldsm_x4_t(unsigned* r, unsigned addr) { ldmatrix_x4_trans(r, smem_ptr(addr)); }
-#endif
-
 // rows [0, valid) of a ROWS × D tile from global (row-major, D contiguous) into shared,
 // by THREADS threads, 16 bytes each per pass. The passes are unrolled at compile time and
 // a thread keeps its 16-byte column c in every pass, so its swizzled shared address
@@ -185,12 +137,12 @@ template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int left, int right, float scale_log2, float softcap,
+              int Nq, int Nk, int left, int right, float scale_log2, float k_in, float k_out,
               const float* __restrict__ slopes, unsigned long long* io) {
     using namespace tc;
     // each warp owns MT m-tiles of 16 query rows: every K/V fragment it loads feeds MT MMAs
     constexpr int MT = mtiles<D>(), RW = 16 * MT;
-    constexpr int Br = RW * warps<D>(), THREADS = 32 * warps<D>(), Bc = bc<D>();
+    constexpr int Br = RW * warps<D>(), THREADS = 32 * warps<D>(), Bc = bc<D, VAR>();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·D
     T* sK = sQ + Br * D;                             // 2 buffers of Bc·D
@@ -246,7 +198,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
-                ldsm_x4(qf[mi][kk], swz_step(qbase, kk) + mi * 16 * D * 2);
+                ldmatrix_x4(qf[mi][kk], swz_step(qbase, kk) + mi * 16 * D * 2);
     }
 
     float o[MT][D / 8][4];
@@ -292,25 +244,24 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             if constexpr (!QREG) {
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
-                    ldsm_x4(qs[mi], swz_step(qbase, kk) + mi * 16 * D * 2);
+                    ldmatrix_x4(qs[mi], swz_step(qbase, kk) + mi * 16 * D * 2);
             }
 #pragma unroll
             for (int t = 0; t < Bc / 8; t += 2) {
                 unsigned b[4];   // (n-tile t: k lo, k hi), (n-tile t+1: k lo, k hi)
-                ldsm_x4(b, swz_step(kbase + buf * Bc * D * 2, kk) + t * 8 * D * 2);
+                ldmatrix_x4(b, swz_step(kbase + buf * Bc * D * 2, kk) + t * 8 * D * 2);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
                     const unsigned* a = QREG ? qf[QREG ? mi : 0][QREG ? kk : 0] : qs[QREG ? 0 : mi];
-                    Mma<T>::run(s[mi][t], a, b);
-                    Mma<T>::run(s[mi][t + 1], a, b + 2);
+                    mma16816<T>(s[mi][t], a, b);
+                    mma16816<T>(s[mi][t + 1], a, b + 2);
                 }
             }
         }
 
         const int j0 = j * Bc;
         if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
-            const VarScores vs = VarScores::make(scale_log2 * 0.6931471805599453f, softcap,
-                                                 slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f);
+            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f};
             // dist = r + (Nk − Nq) − c: one base per tile, immediates per element
             const int dist0 = i0 + warp * RW + g + (Nk - Nq) - j0 - tig * 2;
 #pragma unroll
@@ -386,11 +337,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
             for (int t = 0; t < D / 8; t += 2) {
                 unsigned b[4];   // V rows are keys: .trans turns them into B fragments
-                ldsm_x4_t(b, swz_step(vbase + buf * Bc * D * 2, t / 2) + kk * 16 * D * 2);
+                ldmatrix_x4_trans(b, swz_step(vbase + buf * Bc * D * 2, t / 2) + kk * 16 * D * 2);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
-                    Mma<T>::run(o[mi][t], pf[mi][kk], b);
-                    Mma<T>::run(o[mi][t + 1], pf[mi][kk], b + 2);
+                    mma16816<T>(o[mi][t], pf[mi][kk], b);
+                    mma16816<T>(o[mi][t + 1], pf[mi][kk], b + 2);
                 }
             }
         }
@@ -487,7 +438,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
        const int* __restrict__ kv_index, const T* __restrict__ dO,
        const float* __restrict__ L, const float* __restrict__ Dv,
        float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-       int Nq, int Nk, int left, int right, float scale, float softcap,
+       int Nq, int Nk, int left, int right, float scale, float k_in, float k_out,
        const float* __restrict__ slopes, int* __restrict__ sem, unsigned long long* io) {
     using namespace tc;
     constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
@@ -598,27 +549,27 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             for (int kk = 0; kk < D / 16; ++kk) {
                 unsigned a[2][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2);
+                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2);
 #pragma unroll
                 for (int t = 0; t < QN; t += 2) {
                     unsigned b[4];
-                    ldsm_x4(b, swz_step(qb, kk) + t * 8 * D * 2);
+                    ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        Mma<T>::run(s[mt][t], a[mt], b);
-                        Mma<T>::run(s[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(s[mt][t], a[mt], b);
+                        mma16816<T>(s[mt][t + 1], a[mt], b + 2);
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2 + V_FROM_K);
+                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2 + V_FROM_K);
 #pragma unroll
                 for (int t = 0; t < QN; t += 2) {
                     unsigned b[4];
-                    ldsm_x4(b, swz_step(qb, kk) + t * 8 * D * 2 + DO_FROM_Q);
+                    ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * D * 2 + DO_FROM_Q);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        Mma<T>::run(dp[mt][t], a[mt], b);
-                        Mma<T>::run(dp[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(dp[mt][t], a[mt], b);
+                        mma16816<T>(dp[mt][t + 1], a[mt], b + 2);
                     }
                 }
             }
@@ -634,7 +585,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             VarScores vs{};
             int dist0 = 0;
             if constexpr (VAR) {
-                vs = VarScores::make(scale, softcap, slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f);
+                vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f};
                 dist0 = i0 + wh * (BrB / 2) + tig * 2 + (Nk - Nq) - j0 - k0;
             }
 #pragma unroll
@@ -678,27 +629,27 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             for (int kk = 0; kk < BrB / 16; ++kk) {
                 unsigned a[2][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2);
+                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2);
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
-                    ldsm_x4_t(b, swz_step(qt, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
+                    ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        Mma<T>::run(dv[mt][t], a[mt], b);
-                        Mma<T>::run(dv[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(dv[mt][t], a[mt], b);
+                        mma16816<T>(dv[mt][t + 1], a[mt], b + 2);
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldsm_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2 + DS_FROM_P);
+                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2 + DS_FROM_P);
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
-                    ldsm_x4_t(b, swz_step(qt, t / 2) + kk * 16 * D * 2);
+                    ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        Mma<T>::run(dk[mt][t], a[mt], b);
-                        Mma<T>::run(dk[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(dk[mt][t], a[mt], b);
+                        mma16816<T>(dk[mt][t + 1], a[mt], b + 2);
                     }
                 }
             }
@@ -724,15 +675,15 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             for (int kk = 0; kk < Bc / 16; ++kk) {
                 unsigned a[2][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldsm_x4_t(a[mt], dstbase + (kk * 16 * SPS + mt * 16) * 2);
+                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(a[mt], dstbase + (kk * 16 * SPS + mt * 16) * 2);
 #pragma unroll
                 for (int t = 0; t < DQ; t += 2) {
                     unsigned b[4];
-                    ldsm_x4_t(b, swz_step(ktbase, t / 2) + kk * 16 * D * 2);
+                    ldmatrix_x4_trans(b, swz_step(ktbase, t / 2) + kk * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        Mma<T>::run(dq[mt][t], a[mt], b);
-                        Mma<T>::run(dq[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(dq[mt][t], a[mt], b);
+                        mma16816<T>(dq[mt][t + 1], a[mt], b + 2);
                     }
                 }
             }
@@ -793,9 +744,10 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     const int* __restrict__ kv_index, const T* __restrict__ dO,                            \
     const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
     T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int left, int right,           \
-    float scale, float softcap, const float* __restrict__ slopes, int* __restrict__ sem,   \
+    float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
+    int* __restrict__ sem,                                                                 \
     unsigned long long* io
-#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, softcap, slopes, sem, io
+#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, k_in, k_out, slopes, sem, io
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
 template <typename T, int D, bool VAR>

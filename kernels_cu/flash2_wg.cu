@@ -186,7 +186,7 @@ template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int left, int right, float scale_log2, float softcap,
+              int Nq, int Nk, int left, int right, float scale_log2, float k_in, float k_out,
               const float* __restrict__ slopes, unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
@@ -252,8 +252,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // holds row r0 + 8·(e ≥ 2), key 8t + 2·tig + (e & 1) of the tile
         const int j0 = j * Bc;
         if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
-            const VarScores vs = VarScores::make(scale_log2 * 0.6931471805599453f, softcap,
-                                                 slopes != nullptr ? slopes[p] : 0.f);
+            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[p] : 0.f};
             const int dist0 = i0 + r0 + (Nk - Nq) - j0 - tig * 2;   // r + off − c, per tile
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t)

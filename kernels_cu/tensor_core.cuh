@@ -78,21 +78,19 @@ inline float ex2(float x) {
 // tanh(x) = 1 − 2 / (1 + e^{2x}), from one ex2 and one fast division (VarScores): its
 // absolute error (a few 1e-7) is below the fp32 rounding of softcap·tanh, which is what
 // the softmax sees, at a third of tanhf's instructions; it saturates to ±1.
+
 // The variants' scores on the fast rungs, in log2 units (the exponent ex2 takes): for
 // s = q·k and dist = r + off − c,
 //   softcap·log2(e)·tanh(scale·s / softcap) − slope·log2(e)·|dist|
-// (the order of common.cuh's Scores), or scale·log2(e)·s − … without a softcap. Three
-// constants, so that the kernels' variant instances, already at 255 registers, add
-// few. *t receives the tanh (the backward's 1 − tanh²).
+// (the order of common.cuh's Scores), or scale·log2(e)·s − … without a softcap. The
+// kernels take k_in and k_out as parameters and the slopes already in log2 units
+// (flashsim/gpu/flash2.py's _fast_variants): read from the parameter bank where used,
+// they hold no register across the loop in instances already at 255. *t receives the
+// tanh (the backward's 1 − tanh²).
 struct VarScores {
-    float k_in;     // 2·log2(e)·scale / softcap (tanh_fast's exponent), or scale·log2(e)
+    float k_in;     // 2·log2(e)·scale / softcap (the tanh's exponent), or scale·log2(e)
     float k_out;    // softcap·log2(e); 0: no softcap
     float k_bias;   // slope·log2(e); 0: no ALiBi
-    __device__ __forceinline__ static VarScores make(float scale, float softcap, float slope) {
-        constexpr float LOG2E = 1.4426950408889634f;
-        return softcap > 0.f ? VarScores{2.f * LOG2E * scale / softcap, softcap * LOG2E, slope * LOG2E}
-                             : VarScores{scale * LOG2E, 0.f, slope * LOG2E};
-    }
     __device__ __forceinline__ float operator()(float s, int dist, float* t) const {
         float x;
         if (k_out != 0.f) {

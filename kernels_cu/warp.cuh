@@ -1,5 +1,5 @@
 // Warp-level matrix operations for the kernels that the CPU emulation also runs
-// (splitkv_tc.cu): mma.sync m16n8k16 and ldmatrix, each with a host form built on the
+// (splitkv_tc.cu, flash2_tc.cu): mma.sync m16n8k16 and ldmatrix, each with a host form built on the
 // emulator's warp exchange (host_emu.h), so the same source runs on the GPU and, lane by
 // lane, on the CPU.
 //
@@ -35,13 +35,21 @@ template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, co
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* row) {
+// the row address as a shared-space address (flash2_tc.cu's swizzle arithmetic works on
+// those), or as a pointer
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row)));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* row) {
+    ldmatrix_x4(r, smem_addr(row));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row)));
+    ldmatrix_x4_trans(r, smem_addr(row));
 }
 
 #else  // FLASHSIM_HOST: the same operations over the warp's exchange slots
@@ -95,5 +103,9 @@ inline void ldmatrix_x4_impl(unsigned* r, const void* row, bool trans) {
 }
 inline void ldmatrix_x4(unsigned* r, const void* row) { ldmatrix_x4_impl(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned* r, const void* row) { ldmatrix_x4_impl(r, row, true); }
+inline void ldmatrix_x4(unsigned* r, unsigned addr) { ldmatrix_x4_impl(r, smem_ptr(addr), false); }
+inline void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+    ldmatrix_x4_impl(r, smem_ptr(addr), true);
+}
 
 #endif

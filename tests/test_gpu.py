@@ -618,7 +618,9 @@ def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
     out, lse, traffic = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, count_io=True,
                                          kernel=kernel, **variants)
     out, lse = host(out), host(lse)
-    blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel)
+    blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel, window=variants["window"],
+                                          softcap=variants["softcap"],
+                                          alibi_slopes=variants["alibi_slopes"])
     sim = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype, **variants)
     assert traffic == sim.traffic, traffic.diff(sim.traffic)   # skipped tiles included
     simk = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype,

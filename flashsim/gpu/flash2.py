@@ -17,6 +17,7 @@ from ..variants import canonical_slopes, check_softcap, make_band
 from . import _arrays as arrays, _device as dev
 
 KERNELS = ("auto", "ref", "tc", "wg")
+LOG2E = math.log2(math.e)
 
 
 def _wg_supports(shape: Shape, dtype: str, block_sizes) -> bool:
@@ -29,28 +30,31 @@ def _wg_supports(shape: Shape, dtype: str, block_sizes) -> bool:
                          block_sizes)
 
 
-def _tc_tiles(d: int, backward: bool) -> tuple[int, int]:
-    """The tensor-core kernel's (Br, Bc) for head dim d on the current device."""
+def _tc_tiles(d: int, backward: bool, var: bool = False) -> tuple[int, int]:
+    """The tensor-core kernel's (Br, Bc) for head dim d on the current device (``var``:
+    its softcap/ALiBi instance)."""
     if backward:
         return K.tc_bwd_blocks(d, dev.cc_major(dev.cupy().cuda.Device().id))
-    return K.tc_blocks(d, dev.cc_major(dev.cupy().cuda.Device().id))
+    return K.tc_blocks(d, dev.cc_major(dev.cupy().cuda.Device().id), var)
 
 
-def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
+def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False,
+                 var: bool = False) -> bool:
     if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS):
         return False
     # the tiles must fit the device's shared memory (not so on GPUs with 99 KB per block)
     device = dev.cupy().cuda.Device().id
     return K.tc_supports(shape.d, shape.dv, dtype, dev.cc(device), dev.smem_limit_on(device),
-                         block_sizes, backward)
+                         block_sizes, backward, var)
 
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False,
-            variant: str | None = None) -> str:
+            variant: str | None = None, var: bool = False) -> str:
     """The fastest rung that supports the inputs: "wg" (Hopper, forward), "tc" (tensor
     cores), else "ref"; or the one asked for, with an error where it cannot run them.
     Every rung runs the variants (window, softcap, ALiBi; ``variant`` names those asked
-    for, kept for the messages). "auto" warns (once per reason) when float16/bfloat16
+    for, kept for the messages; ``var``: softcap or ALiBi, whose instance may have its
+    own tiles). "auto" warns (once per reason) when float16/bfloat16
     inputs fall to the reference rung, which is two orders of magnitude slower."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -75,7 +79,7 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
             f"its own tiles {K.WG_BLOCKS}, on a device of compute capability 9.0 (this one: "
             f"{dev.cc(dev.cupy().cuda.Device().id) / 10:.1f}); got {dtype}, d={shape.d}, "
             f"dv={shape.dv}, block_sizes={block_sizes}. Use kernel='tc', 'ref' or 'auto'.")
-    if _tc_supports(shape, dtype, block_sizes, backward):
+    if _tc_supports(shape, dtype, block_sizes, backward, var):
         return "tc"
     if kernel == "tc":
         raise ValueError(
@@ -119,6 +123,21 @@ def _variant_args(cp, shape: Shape, dtype: str, causal, window, softcap, alibi_s
     return left, right, dev.scalar(dtype, c or 0.0), ptr, _asked(window, softcap, alibi_slopes)
 
 
+def _fast_variants(cp, scale: float, softcap, slopes):
+    """(k_in, k_out, slopes) for the fast rungs' softcap/ALiBi instance (tensor_core.cuh's
+    VarScores): the scores' constants in log2 units, computed here so that the kernels
+    read them from their parameters, and the slopes (a device array, or a null pointer)
+    times log2(e)."""
+    c = check_softcap(softcap)
+    if c is None:
+        k_in, k_out = scale * LOG2E, 0.0
+    else:
+        k_in, k_out = 2 * LOG2E * scale / c, c * LOG2E
+    if not isinstance(slopes, np.uint64):
+        slopes = (slopes * np.float32(LOG2E)).astype(np.float32)
+    return np.float32(k_in), np.float32(k_out), slopes
+
+
 def _asked(window, softcap, alibi_slopes) -> str | None:
     """The variants given, by name ("window, softcap"), or None for plain attention."""
     names = [n for n, x in (("window", window), ("softcap", softcap),
@@ -152,12 +171,13 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
     ALiBi slopes, those of the rung that runs them."""
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
+    var = softcap is not None or alibi_slopes is not None
     which = _choose(kernel, shape, qi.dtype, None, backward,
-                    variant=_asked(window, softcap, alibi_slopes))
+                    variant=_asked(window, softcap, alibi_slopes), var=var)
     if which == "wg":
         return K.WG_BLOCKS[shape.d]
     if which == "tc":
-        return _tc_tiles(shape.d, backward)
+        return _tc_tiles(shape.d, backward, var)
     return _blocks(None, shape, qi.dtype, backward)
 
 
@@ -203,8 +223,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     scale = check_scale(scale, shape.d)
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
                                                       softcap, alibi_slopes)
-    which = _choose(kernel, shape, dtype, block_sizes, variant=variant)
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
+    which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
     P, Nq = shape.problems, shape.Nq
     O = arrays.empty(cp, (P, Nq, shape.dv), arrays.storage(cp, dtype), dtype if qi.torch else None)
     L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
@@ -214,13 +234,14 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[shape.d]
         else:
-            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(shape.d, False)
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(shape.d, False, var)
         threads = K.threads(name, shape.d, dev.cc(cp.cuda.Device().id))
         smem = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
         dev.launch(cp, dev.kernel(name, dtype, count_io, shape.d, var),
                    K.grid(name, Nq, shape.Nk, Br, Bc, P), smem,
                    (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left), i32(right),
-                    np.float32(scale * math.log2(math.e)), cap, slopes, io),
+                    np.float32(scale * LOG2E), *_fast_variants(cp, scale, softcap, slopes),
+                    io),
                    threads=threads)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
@@ -329,7 +350,8 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
         name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
         dev.launch(cp, dev.kernel(name, dtype, count_io, d, var), grid(name), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
-                 i32(right), np.float32(scale), cap, slopes, sem, io),
+                 i32(right), np.float32(scale), *_fast_variants(cp, scale, softcap, slopes),
+                 sem, io),
                 threads=K.threads(name, d, cc))
     else:
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
@@ -469,10 +491,11 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         plan.left, plan.right = arrays.band(causal)
         plan.scale = check_scale(scale, d)
         plan.io = dev.unused_counters(q.device.index).data.ptr
-        # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, softcap, slopes, io)
-        plan.fwd = _Launcher(kern, "6Q4iffQQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
-                             (Nq, Nk, plan.left, plan.right, plan.scale * math.log2(math.e),
-                              0.0, 0, plan.io))
+        # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, k_in, k_out, slopes,
+        #  io): the plain instance, which reads none of the variants' three
+        plan.fwd = _Launcher(kern, "6Q4ifff4xQQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads,
+                             smem, (Nq, Nk, plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0,
+                                    0, plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
         plan.bwd = None                                 # made by the first backward call
@@ -539,11 +562,11 @@ def _plan_torch_backward(plan, q, k):
         pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ",
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
                         K.threads("flash2_bwd_preprocess_tc", d, cc), 0, (Nq, plan.io))
-        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, softcap,
-        #  slopes, sem, io)
-        main = _Launcher(main, "10Q4iffQQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
+        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, k_in,
+        #  k_out, slopes, sem, io)
+        main = _Launcher(main, "10Q4ifff4xQQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
                          K.threads("flash2_bwd_tc", d, cc), smem,
-                         (Nq, Nk, plan.left, plan.right, plan.scale, 0.0, 0, 0, plan.io))
+                         (Nq, Nk, plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, plan.io))
         # (dQacc, dQ | Nq, d, Br, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),
