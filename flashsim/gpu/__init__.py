@@ -8,6 +8,7 @@ calls run the reference rung's kernels on the CPU (NumPy arrays in and out).
     dq, dk, dv = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True)
     out, lse, traffic = fs.gpu.attention(q, k, v, count_io=True)
     traffic == fs.simulate(q, k, v, "flash2", block_sizes=fs.gpu.block_sizes(q, v)).traffic
+    out, lse = fs.gpu.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed batches
 
 Inputs: CuPy arrays, NumPy arrays (copied to the device), or any tensor exposing
 ``__cuda_array_interface__`` or ``__dlpack__`` (PyTorch: no copy). Results are CuPy
