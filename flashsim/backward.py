@@ -11,7 +11,10 @@ in place of dS. Schedules (each move tagged in the code):
 
 - standard (FlashAttention paper, Algorithm 3): read P, dO, write dV; read dO, V, write
   dP; read P, dP, write dS; read dS, K, write dQ; read dS, Q, write dK. With a softcap
-  the dS pass also reads the saved scores S (it needs tanh).
+  the dS pass also reads the saved scores S (it needs tanh). With ``block_sizes`` the
+  matrix products are tiled as the GPU runs them: a tile of dV or dK (Bc rows) streams
+  the Q tiles (so dO, Q are read ⌈Nk/Bc⌉ times), a tile of dP or dQ (Br rows) the K/V
+  tiles (V, K read ⌈Nq/Br⌉ times).
 - flash1 (Algorithm 4): dQ = 0 written whole. Outer loop over K/V tiles j: read K_j,
   V_j; inner loop over visited Q tiles i: read Q_i, O_i, dO_i, dQ_i, ℓ_i, m_i, write
   dQ_i; then write dK_j, dV_j.
@@ -36,12 +39,13 @@ import numpy as np
 from .memory import Machine
 from .problem import (STAT_BYTES, Shape, canon_batch, canonical, check_algorithm, check_arrays,
                       check_scale, itemsize_of, make_shape)
-from .tiling import Tiles, parse_size, resolve_block_sizes
+from .tiling import Tiles, cdiv, parse_size, resolve_block_sizes
 from .traffic import Traffic
 from .precision import EXACT, Precision, make_precision
 from .variants import Scores, make_band, make_scores
 
 NEG_INF = -np.inf
+KERNEL_PRECISION = ("standard", "flash1", "flash2")
 BACKWARD_ALGORITHMS = ("standard", "flash1", "flash2", "ring")
 
 
@@ -95,7 +99,9 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
     ``out`` (..., Nq, dv) and ``lse`` (..., Nq) are the forward's results (for example
     from `simulate`); block sizes come from ``sram_bytes`` by the paper's rule for a
     K/V-outer loop (Bc = ⌈M/4d⌉, Br = min(Bc, d), shrunk to fit), or ``block_sizes``.
-    ``precision="kernel"`` (flash2 only) reproduces the GPU kernels' rounding.
+    ``precision="kernel"`` (standard, flash1, flash2) reproduces the GPU kernels'
+    rounding. Standard attention takes ``block_sizes`` for its tiled matrix products
+    (see `flashsim.simulate`), or none for the paper's whole-matrix count.
     ``hardware`` (flash2 only) runs the backward kernels' tiles and adds
     ``gradients.prediction``, as `flashsim.simulate` does for the forward.
     """
@@ -138,9 +144,9 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
                                  block_sizes=block_sizes, d=shape.d, dv=shape.dv,
                                  itemsize=itemsize)
     prec = make_precision(precision, q.dtype if io_dtype is None else io_dtype)
-    if not prec.exact and algorithm != "flash2":
-        raise ValueError("precision='kernel' models the GPU kernels, which run flash2; "
-                         f"use algorithm='flash2' (got {algorithm!r})")
+    if not prec.exact and algorithm not in KERNEL_PRECISION:
+        raise ValueError(f"precision='kernel' models the GPU kernels, which run "
+                         f"{', '.join(KERNEL_PRECISION)}; got algorithm={algorithm!r}")
     cb = canon_batch(shape)
 
     def load(x, trailing, stat=False):
@@ -153,14 +159,14 @@ def simulate_backward(q, k, v, out, lse, dout, algorithm: str = "flash2", *, sra
     L = load(lse, (shape.Nq,), stat=True)
     if algorithm == "standard":
         mc = Machine(shape.problems, itemsize)
-        dQ, dK, dV = _standard_bwd(mc, Q, K, V, dO, L, shape, scores)
+        dQ, dK, dV = _standard_bwd(mc, Q, K, V, dO, L, shape, scores, blocks, prec)
         peak = None
     else:
         budget = parse_size(sram_bytes) if sram_bytes is not None else None
         mc = Machine(shape.problems, itemsize, budget)
         tiles = Tiles(shape.Nq, shape.Nk, *blocks, scores.band)
         if algorithm == "flash1":
-            dQ, dK, dV = _flash1_bwd(mc, Q, K, V, O, dO, L, shape, tiles, scores)
+            dQ, dK, dV = _flash1_bwd(mc, Q, K, V, O, dO, L, shape, tiles, scores, prec)
         else:
             dQ, dK, dV = _flash2_bwd(mc, Q, K, V, O, dO, L, shape, tiles, scores, prec)
         peak = mc.sram.peak
@@ -207,43 +213,93 @@ def _ds(P, dP, D, T):
 
 # -- standard (Algorithm 3) ------------------------------------------------------------
 
-def _standard_bwd(mc: Machine, Q, K, V, dO, L, shape: Shape, scores: Scores):
+def _standard_bwd(mc: Machine, Q, K, V, dO, L, shape: Shape, scores: Scores, blocks=None,
+                  prec: Precision = EXACT):
+    """Algorithm 3, five passes through HBM. The matrix products run as tiled kernels
+    (`flashsim.simulate`'s standard): Q-tile outputs (dP, dQ) hold a Q tile of Br rows
+    and stream K/V tiles of Bc rows, K/V-tile outputs (dV, dK) the other way round;
+    ``blocks`` None is one tile of the whole matrix (the paper's count)."""
+    Nq, Nk = shape.Nq, shape.Nk
+    Br, Bc = blocks if blocks is not None else (max(Nq, 1), max(Nk, 1))
     # The forward left P (and S) in HBM; rebuilding them here is not part of this pass.
-    S, T = scores.full(Q, K, shape.Nq, shape.Nk)
-    P_saved = _probs(S, L)
-    P = mc.read_whole("P", P_saved)                              # HBM→SRAM: P (Nq·Nk)
-    dOh = mc.read_whole("dO", dO)                                # HBM→SRAM: dO (Nq·dv)
-    dV = mc.write_whole("dV", np.swapaxes(P, -1, -2) @ dOh)      # SRAM→HBM: dV (Nk·dv)
+    S, T = scores.full(Q, K, Nq, Nk)
+    if prec.exact:
+        P_saved = _probs(S, L)
+    else:   # as the GPU's forward left them: S in the I/O type, P its rounded softmax
+        S = prec.io_round(S)
+        if T is not None:   # the backward's tanh comes from the stored S, less the bias
+            bias = scores.bias(np.arange(Nq), np.arange(Nk), Nk - Nq)
+            T = np.where(np.isneginf(S), 0.0, (S - bias) / scores.softcap).astype(prec.acc)
+        m = S.max(axis=-1, initial=NEG_INF)
+        P_saved = np.exp(S - np.where(np.isneginf(m), 0.0, m)[..., None])
+        l = P_saved.sum(axis=-1)
+        P_saved = prec.io_round(P_saved / np.where(l > 0, l, 1.0)[..., None])
+    P_saved = prec.cast(P_saved)
+    # dV_j = Σ_i P_ijᵀ dO_i, a CTA per K/V tile j
+    dV = mc.write_whole("dV", prec.io_round(                     # SRAM→HBM: dV (Nk·dv)
+        _tiles_t(mc, "P", P_saved, "dO", dO, Bc, Br, Nk, Nq, prec)))
 
-    dOh = mc.read_whole("dO", dO)                                # HBM→SRAM: dO (Nq·dv)
-    Vh = mc.read_whole("V", V)                                   # HBM→SRAM: V (Nk·dv)
-    dP = mc.write_whole("dP", dOh @ np.swapaxes(Vh, -1, -2))     # SRAM→HBM: dP (Nq·Nk)
+    dP = np.full(P_saved.shape, np.nan, dtype=prec.acc)          # dP_i = dO_i Vᵀ, by Q tile
+    for i in range(cdiv(Nq, Br)):
+        i0, i1 = i * Br, min((i + 1) * Br, Nq)
+        dOi = mc.load("dO", dO, i0, i1)                          # HBM→SRAM: dO_i (Br·dv)
+        for j in range(cdiv(Nk, Bc)):
+            j0, j1 = j * Bc, min((j + 1) * Bc, Nk)
+            Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
+            mc.store_block("dP", dP, i0, i1, j0, j1,             # SRAM→HBM: dP_ij (Br·Bc)
+                           prec.io_round(dOi @ np.swapaxes(Vj, -1, -2)))
+            mc.free("V")
+        mc.free("dO")
 
     P = mc.read_whole("P", P_saved)                              # HBM→SRAM: P (Nq·Nk)
     dP = mc.read_whole("dP", dP)                                 # HBM→SRAM: dP (Nq·Nk)
     if T is not None:
         mc.read_whole("S", S)                                    # HBM→SRAM: S (Nq·Nk), for tanh
     D = (P * dP).sum(axis=-1)
-    dS = mc.write_whole("dS", _ds(P, dP, D, T))                  # SRAM→HBM: dS (Nq·Nk)
+    dS = mc.write_whole("dS", prec.io_round(_ds(P, dP, D, T)))   # SRAM→HBM: dS (Nq·Nk)
+    dS = prec.cast(dS)
 
-    dS = mc.read_whole("dS", dS)                                 # HBM→SRAM: dS (Nq·Nk)
-    Kh = mc.read_whole("K", K)                                   # HBM→SRAM: K (Nk·d)
-    dQ = mc.write_whole("dQ", scores.scale * (dS @ Kh))          # SRAM→HBM: dQ (Nq·d)
-
-    dS = mc.read_whole("dS", dS)                                 # HBM→SRAM: dS (Nq·Nk)
-    Qh = mc.read_whole("Q", Q)                                   # HBM→SRAM: Q (Nq·d)
-    dK = mc.write_whole("dK", scores.scale * (np.swapaxes(dS, -1, -2) @ Qh))  # SRAM→HBM: dK (Nk·d)
+    # dQ_i = scale · Σ_j dS_ij K_j, a CTA per Q tile; dK_j = scale · Σ_i dS_ijᵀ Q_i
+    dQ = mc.write_whole("dQ", prec.io_round(                     # SRAM→HBM: dQ (Nq·d)
+        scores.scale * _tiles(mc, "dS", dS, "K", K, Br, Bc, Nq, Nk, prec)))
+    dK = mc.write_whole("dK", prec.io_round(                     # SRAM→HBM: dK (Nk·d)
+        scores.scale * _tiles_t(mc, "dS", dS, "Q", Q, Bc, Br, Nk, Nq, prec)))
     return dQ, dK, dV
+
+
+def _tiles(mc: Machine, nx: str, X, ny: str, Y, B_out: int, B_in: int, n_out: int,
+           n_in: int, prec: Precision):
+    """Σ_j X_ij Y_j per output tile i of B_out rows (X: n_out × n_in, Y: n_in rows): a
+    CTA per tile i holds its accumulator and streams X_ij and Y_j (tiles of B_in)."""
+    out = np.zeros(np.broadcast_shapes(X.shape[:-2], Y.shape[:-2]) + (n_out, Y.shape[-1]),
+                   dtype=prec.acc)
+    for i in range(cdiv(n_out, B_out)):
+        i0, i1 = i * B_out, min((i + 1) * B_out, n_out)
+        XiT = np.swapaxes(X[..., i0:i1, :], -1, -2)               # columns of X_i as rows
+        for j in range(cdiv(n_in, B_in)):
+            j0, j1 = j * B_in, min((j + 1) * B_in, n_in)
+            Xij = np.swapaxes(mc.load(nx, XiT, j0, j1), -1, -2)  # HBM→SRAM: X_ij (B_out·B_in)
+            Yj = mc.load(ny, Y, j0, j1)                          # HBM→SRAM: Y_j (B_in·n)
+            out[..., i0:i1, :] += Xij @ Yj
+            mc.free(nx, ny)
+    return out
+
+
+def _tiles_t(mc: Machine, nx: str, X, ny: str, Y, B_out: int, B_in: int, n_out: int,
+             n_in: int, prec: Precision):
+    """Σ_i X_ijᵀ Y_i per output tile j of B_out rows (X: n_in × n_out, Y: n_in rows)."""
+    return _tiles(mc, nx, np.swapaxes(X, -1, -2), ny, Y, B_out, B_in, n_out, n_in, prec)
 
 
 # -- flash1 (Algorithm 4) --------------------------------------------------------------
 
-def _flash1_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scores: Scores):
+def _flash1_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scores: Scores,
+                prec: Precision = EXACT):
     Br, Bc, d, dv = tiles.Br, tiles.Bc, shape.d, shape.dv
     # Algorithm 4 reads the forward's ℓ and m; m = L, ℓ = 1 describe the same softmax.
-    m = np.where(np.isneginf(L), NEG_INF, L)
-    l = np.where(np.isneginf(L), 0.0, 1.0)
-    dQ = np.zeros(canon_batch(shape) + (shape.Nq, d))
+    m = np.where(np.isneginf(L), NEG_INF, L).astype(prec.acc)
+    l = np.where(np.isneginf(L), 0.0, 1.0).astype(prec.acc)
+    dQ = np.zeros(canon_batch(shape) + (shape.Nq, d), prec.acc)
     mc.store("dQ", dQ, 0, shape.Nq, dQ)                          # SRAM→HBM: dQ = 0 (Nq·d)
     dK, dV = _hbm(shape, shape.Nk, d), _hbm(shape, shape.Nk, dv)
     ilo, ihi = tiles.q_ranges()
@@ -251,8 +307,8 @@ def _flash1_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
         j0, j1 = j * Bc, min((j + 1) * Bc, shape.Nk)
         mc.scratch("dK", j1 - j0, d)
         mc.scratch("dV", j1 - j0, dv)
-        dKj = np.zeros(dK.shape[:-2] + (j1 - j0, d))
-        dVj = np.zeros(dV.shape[:-2] + (j1 - j0, dv))
+        dKj = np.zeros(dK.shape[:-2] + (j1 - j0, d), prec.acc)
+        dVj = np.zeros(dV.shape[:-2] + (j1 - j0, dv), prec.acc)
         if ihi[j] >= ilo[j]:
             Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
             Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
@@ -268,18 +324,19 @@ def _flash1_bwd(mc: Machine, Q, K, V, O, dO, L, shape: Shape, tiles: Tiles, scor
                 mc.scratch("dP", i1 - i0, j1 - j0)
                 mc.scratch("D", i1 - i0, stat=True)
                 S, T = scores.tile(Qi, Kj, tiles, i, j)
-                P = _probs(S, mi) * np.where(li > 0, 1.0 / np.where(li > 0, li, 1.0), 0.0)[..., None]
-                dVj = dVj + np.swapaxes(P, -1, -2) @ dOi
+                inv = np.where(li > 0, 1 / np.where(li > 0, li, 1), 0).astype(prec.acc)
+                P = _probs(S, mi) * inv[..., None]
+                dVj = dVj + np.swapaxes(prec.io_round(P), -1, -2) @ dOi
                 dP = dOi @ np.swapaxes(Vj, -1, -2)
                 Di = (dOi * Oi).sum(axis=-1)                     # D_i = rowsum(dO_i ∘ O_i)
-                dS = _ds(P, dP, Di, T)
+                dS = prec.io_round(_ds(P, dP, Di, T))
                 dQi = dQi + scores.scale * (dS @ Kj)
                 dKj = dKj + scores.scale * (np.swapaxes(dS, -1, -2) @ Qi)
-                mc.store("dQ", dQ, i0, i1, dQi)                  # SRAM→HBM: dQ_i (Br·d)
+                mc.store("dQ", dQ, i0, i1, prec.io_round(dQi))   # SRAM→HBM: dQ_i (Br·d)
                 mc.free("Q", "O", "dO", "dQ", "l", "m", "S", "dP", "D")
             mc.free("K", "V")
-        mc.store("dK", dK, j0, j1, dKj)                          # SRAM→HBM: dK_j (Bc·d)
-        mc.store("dV", dV, j0, j1, dVj)                          # SRAM→HBM: dV_j (Bc·dv)
+        mc.store("dK", dK, j0, j1, prec.io_round(dKj))           # SRAM→HBM: dK_j (Bc·d)
+        mc.store("dV", dV, j0, j1, prec.io_round(dVj))           # SRAM→HBM: dV_j (Bc·dv)
         mc.free("dK", "dV")
     return dQ, dK, dV
 
@@ -385,9 +442,13 @@ def count_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None =
     Nq, Nk, d, dv, n, s = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems, STAT_BYTES
     if algorithm == "standard":
         nn = Nq * Nk * b
+        # tiled products: K, V read once per Q tile; Q, dO once per K/V tile (dK, dV)
+        Br, Bc = blocks if blocks is not None else (max(Nq, 1), max(Nk, 1))
+        Tr, Tc = cdiv(Nq, Br), cdiv(Nk, Bc)
         return n * Traffic(
-            reads={"P": 2 * nn, "dO": 2 * Nq * dv * b, "V": Nk * dv * b, "dP": nn,
-                   "dS": 2 * nn, "K": Nk * d * b, "Q": Nq * d * b, "S": nn if capped else 0},
+            reads={"P": 2 * nn, "dO": (Tc + 1) * Nq * dv * b, "V": Tr * Nk * dv * b,
+                   "dP": nn, "dS": 2 * nn, "K": Tr * Nk * d * b, "Q": Tc * Nq * d * b,
+                   "S": nn if capped else 0},
             writes={"dV": Nk * dv * b, "dP": nn, "dS": nn, "dQ": Nq * d * b,
                     "dK": Nk * d * b})
     tiles = Tiles(Nq, Nk, *blocks, band)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .problem import STAT_BYTES, check_algorithm, check_options, itemsize_of, make_shape
-from .tiling import Tiles, resolve_block_sizes
+from .tiling import Tiles, cdiv, resolve_block_sizes
 from .traffic import Traffic
 from .variants import make_band
 
@@ -54,16 +54,19 @@ def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=b)
     if algorithm == "standard":
-        return _count_standard(shape, b)
+        return _count_standard(shape, b, blocks)
     return COUNTS[algorithm](shape, Tiles(shape.Nq, shape.Nk, *blocks, band), b, **opts)
 
 
-def _count_standard(shape, b) -> Traffic:
+def _count_standard(shape, b, blocks=None) -> Traffic:
     Nq, Nk, d, dv, n = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems
+    # K, V read once per Q tile; whole matrices are one tile (none if empty)
+    Br = blocks[0] if blocks is not None else max(Nq, 1)
+    Tr = cdiv(Nq, Br)
     return n * Traffic(
-        reads={"Q": Nq * d * b, "K": Nk * d * b, "V": Nk * dv * b,
+        reads={"Q": Nq * d * b, "K": Tr * Nk * d * b, "V": Tr * Nk * dv * b,
                "S": Nq * Nk * b, "P": Nq * Nk * b},
-        writes={"S": Nq * Nk * b, "P": Nq * Nk * b, "O": Nq * dv * b})
+        writes={"S": Nq * Nk * b, "P": Nq * Nk * b, "O": Nq * dv * b, "L": Nq * STAT_BYTES})
 
 
 def _count_flash2(shape, tiles: Tiles, b) -> Traffic:

@@ -83,6 +83,13 @@ class Machine:
         else:
             dst[..., r0:r1, :] = tile
 
+    def store_block(self, tensor: str, dst: np.ndarray, r0: int, r1: int, c0: int, c1: int,
+                    tile) -> None:
+        """Write ``tile`` to rows r0:r1, columns c0:c1 of ``dst`` (a tile of a matrix
+        that spans more columns than one tile, as standard attention's S)."""
+        self._writes[tensor] += (r1 - r0) * (c1 - c0) * self.itemsize * self.problems
+        dst[..., r0:r1, c0:c1] = tile
+
     # on-chip scratch (no HBM traffic)
     def scratch(self, slot: str, rows: int, cols: int = 1, *, stat: bool = False,
                 elem: int | None = None) -> None:

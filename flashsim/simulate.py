@@ -20,6 +20,8 @@ from .variants import Scores, make_scores
 from .traffic import Traffic
 
 NEG_INF = -np.inf
+# the algorithms the GPU runs, whose kernels precision="kernel" reproduces
+KERNEL_PRECISION = ("standard", "flash1", "flash2")
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,8 @@ class Result:
 
     out: (..., Nq, dv) float64; lse: (..., Nq) float64, natural log (−inf for a row
     that sees no key); traffic: HBM bytes per tensor; block_sizes: (Br, Bc) used, or
-    None for standard attention; sram_peak_bytes: most bytes live in SRAM at once
-    (None for standard attention, whose passes are whole-matrix library calls).
+    None for standard attention on whole matrices; sram_peak_bytes: most bytes live in
+    SRAM at once (None for standard attention, whose passes are library-call sized).
     """
     out: np.ndarray
     lse: np.ndarray
@@ -56,7 +58,14 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     fit) or ``block_sizes=(Br, Bc)``. ``io_dtype`` (default q.dtype) sets the bytes per
     element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes. Variants: ``window=(left, right)``,
     ``softcap``, ``alibi_slopes`` (see `flashsim.variants`). ``precision="kernel"``
-    (flash2 only) reproduces the GPU kernels' rounding (see `flashsim.precision`).
+    (standard, flash1, flash2) reproduces the GPU kernels' rounding (see
+    `flashsim.precision`; flash1 rounds O to the I/O type each time it goes back to HBM).
+
+    Standard attention takes no SRAM size: its three passes (S, P, O through HBM) are
+    counted as whole-matrix operations, each operand read once, as the paper counts them;
+    with ``block_sizes=(Br, Bc)`` its two matrix products run as the GPU's kernels run
+    them, a Q tile of Br rows against K (V) tiles of Bc rows, so K and V are read
+    ⌈Nq/Br⌉ times.
 
     ``hardware`` (a `flashsim.hardware` preset name or `GPU`; flash2 only) runs the
     schedule with the tiles of the project's kernel for these inputs on that GPU
@@ -85,14 +94,14 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     budget = parse_size(sram_bytes) if sram_bytes is not None else None
     prec = make_precision(precision, q.dtype if io_dtype is None else io_dtype)
     if not prec.exact:
-        if algorithm != "flash2":
-            raise ValueError("precision='kernel' models the GPU kernels, which run flash2; "
-                             f"use algorithm='flash2' (got {algorithm!r})")
+        if algorithm not in KERNEL_PRECISION:
+            raise ValueError(f"precision='kernel' models the GPU kernels, which run "
+                             f"{', '.join(KERNEL_PRECISION)}; got algorithm={algorithm!r}")
         opts = {**opts, "prec": prec}
     Q, K, V = (prec.cast(prec.io_round(x)) for x in canonical(q, k, v, shape))
     if algorithm == "standard":
         machine = Machine(shape.problems, itemsize)
-        O, L = _standard(machine, Q, K, V, shape, scores)
+        O, L = _standard(machine, Q, K, V, shape, scores, blocks, prec)
         peak = None
     else:
         machine = Machine(shape.problems, itemsize, budget)
@@ -134,10 +143,10 @@ def _ring_result(q, k, v, shape, algorithm, world_size, assignment, causal, bloc
                   sram_peak_bytes=None, algorithm="ring", shape=shape, ring=r)
 
 
-def _hbm(shape: Shape, cols: int | None, fill: float) -> np.ndarray:
+def _hbm(shape: Shape, cols: int | None, fill: float, dtype=np.float64) -> np.ndarray:
     """A tensor in HBM with the canonical leading shape (…, hk, g)."""
     rows = (shape.Nq,) if cols is None else (shape.Nq, cols)
-    return np.full(canon_batch(shape) + rows, fill, dtype=np.float64)
+    return np.full(canon_batch(shape) + rows, fill, dtype=dtype)
 
 
 def _safe(m: np.ndarray) -> np.ndarray:
@@ -148,36 +157,67 @@ def _safe(m: np.ndarray) -> np.ndarray:
 
 # -- Algorithm 0: standard attention ----------------------------------------------------
 
-def _standard(mc: Machine, Q, K, V, shape: Shape, scores: Scores):
-    Nq = shape.Nq
-    Qh = mc.read_whole("Q", Q)                                   # HBM→SRAM: Q (Nq·d)
-    Kh = mc.read_whole("K", K)                                   # HBM→SRAM: K (Nk·d)
-    S, _ = scores.full(Qh, Kh, Nq, shape.Nk)
-    S = mc.write_whole("S", S)                                   # SRAM→HBM: S (Nq·Nk)
+def _standard(mc: Machine, Q, K, V, shape: Shape, scores: Scores, blocks=None,
+              prec: Precision = EXACT):
+    """Three passes, each through HBM: S = scale·QKᵀ (masked, variants), P = softmax(S)
+    (with L = m + log ℓ, the log-sum-exp every forward returns), O = P V. The two matrix
+    products run as tiled kernels: a CTA per Q tile of Br rows holds it and streams the
+    K (or V) tiles of Bc rows, so K and V are read once per Q tile. ``blocks`` None
+    is one tile of the whole matrix (the paper's count: every operand read once, as by
+    a matmul with unbounded on-chip memory). The softmax pass holds whole rows."""
+    Nq, Nk = shape.Nq, shape.Nk
+    Br, Bc = blocks if blocks is not None else (max(Nq, 1), max(Nk, 1))
+    tiles = Tiles(Nq, Nk, Br, Bc, scores.band)
+    S = np.full(canon_batch(shape) + (Nq, Nk), np.nan, dtype=prec.acc)
+    for i in range(tiles.Tr):                                    # pass 1: S = scale·QKᵀ
+        i0, i1 = i * Br, min((i + 1) * Br, Nq)
+        Qi = mc.load("Q", Q, i0, i1)                             # HBM→SRAM: Q_i (Br·d)
+        for j in range(tiles.Tc):
+            j0, j1 = j * Bc, min((j + 1) * Bc, Nk)
+            Kj = mc.load("K", K, j0, j1)                         # HBM→SRAM: K_j (Bc·d)
+            Sij, _ = scores.tile(Qi, Kj, tiles, i, j)
+            mc.scratch("S", i1 - i0, j1 - j0)
+            mc.store_block("S", S, i0, i1, j0, j1, prec.io_round(Sij))  # SRAM→HBM: S_ij (Br·Bc)
+            mc.free("K", "S")
+        mc.free("Q")
 
-    S = mc.read_whole("S", S)                                    # HBM→SRAM: S (Nq·Nk)
+    S = mc.load("S", S, 0, Nq)                                   # HBM→SRAM: S (Nq·Nk), by rows
     m = S.max(axis=-1, initial=NEG_INF)
     P = np.exp(S - _safe(m)[..., None])
     l = P.sum(axis=-1)
     P = P / np.where(l > 0, l, 1.0)[..., None]
-    P = mc.write_whole("P", P)                                   # SRAM→HBM: P (Nq·Nk)
-
-    P = mc.read_whole("P", P)                                    # HBM→SRAM: P (Nq·Nk)
-    Vh = mc.read_whole("V", V)                                   # HBM→SRAM: V (Nk·dv)
-    O = np.broadcast_to(P @ Vh, canon_batch(shape) + (Nq, shape.dv))
-    O = mc.write_whole("O", np.ascontiguousarray(O))             # SRAM→HBM: O (Nq·dv)
     with np.errstate(divide="ignore"):
         L = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), NEG_INF)
-    return O, np.broadcast_to(L, canon_batch(shape) + (Nq,))
+    Ph = np.empty(P.shape, dtype=prec.acc)
+    mc.store("P", Ph, 0, Nq, prec.io_round(P))                   # SRAM→HBM: P (Nq·Nk)
+    Lh = _hbm(shape, None, np.nan, prec.acc)
+    mc.store("L", Lh, 0, Nq, prec.stat_round(L), stat=True)      # SRAM→HBM: L (Nq)
+    mc.free("S")
 
+    O = _hbm(shape, shape.dv, np.nan, prec.acc)
+    for i in range(tiles.Tr):                                    # pass 3: O = P V
+        i0, i1 = i * Br, min((i + 1) * Br, Nq)
+        mc.scratch("O", i1 - i0, shape.dv)
+        Oi = np.zeros(np.broadcast_shapes(Ph.shape[:-2], V.shape[:-2]) + (i1 - i0, shape.dv),
+                      dtype=prec.acc)
+        for j in range(tiles.Tc):
+            j0, j1 = j * Bc, min((j + 1) * Bc, Nk)
+            Pij = mc.load("P", np.swapaxes(Ph[..., i0:i1, :], -1, -2), j0, j1)  # HBM→SRAM: P_ij (Br·Bc)
+            Vj = mc.load("V", V, j0, j1)                         # HBM→SRAM: V_j (Bc·dv)
+            Oi = Oi + np.swapaxes(Pij, -1, -2) @ Vj
+            mc.free("P", "V")
+        mc.store("O", O, i0, i1, prec.io_round(Oi))              # SRAM→HBM: O_i (Br·dv)
+        mc.free("O")
+    return O, Lh
 
 # -- Algorithm 1: FlashAttention (K/V outer, Q inner) ------------------------------------
 
-def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
+def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
+            prec: Precision = EXACT):
     Br, Bc = tiles.Br, tiles.Bc
-    O = _hbm(shape, shape.dv, 0.0)
-    l = _hbm(shape, None, 0.0)
-    m = _hbm(shape, None, NEG_INF)
+    O = _hbm(shape, shape.dv, 0.0, prec.acc)
+    l = _hbm(shape, None, 0.0, prec.acc)
+    m = _hbm(shape, None, NEG_INF, prec.acc)
     mc.store("O", O, 0, shape.Nq, O)                             # SRAM→HBM: O = 0 (Nq·dv)
     mc.store("l", l, 0, shape.Nq, l, stat=True)                  # SRAM→HBM: ℓ = 0 (Nq)
     mc.store("m", m, 0, shape.Nq, m, stat=True)                  # SRAM→HBM: m = −∞ (Nq)
@@ -207,18 +247,19 @@ def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
             a = np.exp(mi - _safe(m_new))                        # e^{m_i − m_new}
             b = np.exp(m_t - _safe(m_new))                       # e^{m̃_ij − m_new}
             l_new = a * li + b * l_t
-            inv = np.where(l_new > 0, 1.0 / np.where(l_new > 0, l_new, 1.0), 0.0)
-            Oi = inv[..., None] * ((li * a)[..., None] * Oi + b[..., None] * (P @ Vj))
-            mc.store("O", O, i0, i1, Oi)                         # SRAM→HBM: O_i (Br·dv)
-            mc.store("l", l, i0, i1, l_new, stat=True)           # SRAM→HBM: ℓ_i (Br)
-            mc.store("m", m, i0, i1, m_new, stat=True)           # SRAM→HBM: m_i (Br)
+            inv = np.where(l_new > 0, 1 / np.where(l_new > 0, l_new, 1), 0).astype(prec.acc)
+            Oi = inv[..., None] * ((li * a)[..., None] * Oi
+                                   + b[..., None] * (prec.io_round(P) @ Vj))
+            mc.store("O", O, i0, i1, prec.io_round(Oi))          # SRAM→HBM: O_i (Br·dv)
+            mc.store("l", l, i0, i1, prec.stat_round(l_new), stat=True)  # SRAM→HBM: ℓ_i (Br)
+            mc.store("m", m, i0, i1, prec.stat_round(m_new), stat=True)  # SRAM→HBM: m_i (Br)
             mc.free("Q", "O", "l", "m", "S", "m~", "l~", "m_new", "l_new")
         mc.free("K", "V")
     # The paper's Algorithm 1 returns O and keeps ℓ, m in HBM for the backward pass;
     # the log-sum-exp reported here is derived from them after the run (not counted).
     with np.errstate(divide="ignore"):
         L = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), NEG_INF)
-    return O, L
+    return O, prec.stat_round(L)
 
 
 # -- FlashAttention-2 forward (Q outer, K/V inner, deferred normalisation) ---------------

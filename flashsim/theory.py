@@ -10,7 +10,8 @@ number of (batch, query-head) problems.
 
 Non-causal (every pair visited; Nq, Nk > 0):
   standard  reads  Q: Nq·d·b, K: Nk·d·b, S: Nq·Nk·b, P: Nq·Nk·b, V: Nk·dv·b
-            writes S: Nq·Nk·b, P: Nq·Nk·b, O: Nq·dv·b
+            writes S: Nq·Nk·b, P: Nq·Nk·b, O: Nq·dv·b, L: Nq·s
+            (tiled, Br and Bc given: K and V read Tr times)
   flash1    reads  K: Nk·d·b, V: Nk·dv·b, Q: Tc·Nq·d·b, O: Tc·Nq·dv·b, ℓ, m: Tc·Nq·s
             writes O: (1 + Tc)·Nq·dv·b, ℓ, m: (1 + Tc)·Nq·s
   flash2    reads  Q: Nq·d·b, K: Tr·Nk·d·b, V: Tr·Nk·dv·b
@@ -44,9 +45,12 @@ def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     dv = d if dv is None else dv
     b, s = itemsize, STAT_BYTES
     if algorithm == "standard":
-        t = Traffic(reads={"Q": Nq * d * b, "K": Nk * d * b, "S": Nq * Nk * b,
-                           "P": Nq * Nk * b, "V": Nk * dv * b},
-                    writes={"S": Nq * Nk * b, "P": Nq * Nk * b, "O": Nq * dv * b})
+        # whole matrices (Br, Bc None): each operand once; tiled: K, V once per Q tile
+        Tr = cdiv(Nq, Br or max(Nq, 1))
+        t = Traffic(reads={"Q": Nq * d * b, "K": Tr * Nk * d * b, "S": Nq * Nk * b,
+                           "P": Nq * Nk * b, "V": Tr * Nk * dv * b},
+                    writes={"S": Nq * Nk * b, "P": Nq * Nk * b, "O": Nq * dv * b,
+                            "L": Nq * s})
         return problems * t
     if Br is None or Bc is None:
         raise ValueError(f"theory.traffic({algorithm!r}) needs Br and Bc")
@@ -88,7 +92,8 @@ def traffic_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None
     With K' = K/V rows read and R = Σ_j (Q rows met by K/V tile j), both from the
     K/V-outer sums of this module's docstring:
       standard  reads P: 2·Nq·Nk, dO: 2·Nq·dv, V: Nk·dv, dP: Nq·Nk, dS: 2·Nq·Nk, K: Nk·d,
-                Q: Nq·d (+ S: Nq·Nk with a softcap); writes dV, dP, dS, dQ, dK once each
+                Q: Nq·d (+ S: Nq·Nk with a softcap); writes dV, dP, dS, dQ, dK once each;
+                tiled (Br, Bc given): dO (Tc + 1)·Nq·dv, V and K Tr times, Q Tc times
       flash1    reads K, V: K'; Q, dQ: R·d; O, dO: R·dv; ℓ, m: R·s
                 writes dQ: (Nq + R)·d, dK: Nk·d, dV: Nk·dv
       flash2    reads K, V: K'; Q: R·d; dO: (Nq + R)·dv; O: Nq·dv; L, D: R·s;
@@ -101,8 +106,9 @@ def traffic_backward(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None
     b, s = itemsize, STAT_BYTES
     if algorithm == "standard":
         nn = Nq * Nk * b
-        t = Traffic(reads={"P": 2 * nn, "dO": 2 * Nq * dv * b, "V": Nk * dv * b, "dP": nn,
-                           "dS": 2 * nn, "K": Nk * d * b, "Q": Nq * d * b,
+        Tr, Tc = cdiv(Nq, Br or max(Nq, 1)), cdiv(Nk, Bc or max(Nk, 1))
+        t = Traffic(reads={"P": 2 * nn, "dO": (Tc + 1) * Nq * dv * b, "V": Tr * Nk * dv * b,
+                           "dP": nn, "dS": 2 * nn, "K": Tr * Nk * d * b, "Q": Tc * Nq * d * b,
                            "S": nn if softcap else 0},
                     writes={"dV": Nk * dv * b, "dP": nn, "dS": nn, "dQ": Nq * d * b,
                             "dK": Nk * d * b})

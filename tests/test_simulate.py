@@ -15,6 +15,12 @@ CORE = ("standard", "flash1", "flash2")
 RTOL = 1e-10
 
 
+def blocks_for(algorithm, p):
+    """p's tiles; standard attention runs whole matrices (the paper's count) for even
+    Nq and tiled products (as the GPU runs them) for odd, so both are drawn."""
+    return None if algorithm == "standard" and p.Nq % 2 == 0 else p.block_sizes
+
+
 def assert_matches_reference(r, ref_out, ref_lse, v):
     # Outputs are convex combinations of V's rows, so their error scales with |V|;
     # a relative bound alone would be meaningless for an output element near 0.
@@ -29,7 +35,7 @@ def assert_matches_reference(r, ref_out, ref_lse, v):
 @given(attention_problems(allow_empty=True), st.sampled_from(CORE))
 def test_every_algorithm_equals_dense_float64(p, algorithm):
     ref_out, ref_lse = fs.attention_reference(p.q, p.k, p.v, causal=p.causal)
-    blocks = None if algorithm == "standard" else p.block_sizes
+    blocks = blocks_for(algorithm, p)
     r = fs.simulate(p.q, p.k, p.v, algorithm, block_sizes=blocks, causal=p.causal)
     assert r.out.shape == ref_out.shape and r.lse.shape == ref_lse.shape
     assert r.out.dtype == np.float64 and r.lse.dtype == np.float64
@@ -54,7 +60,7 @@ def test_reference_agrees_with_scipy(p, algorithm):
     q, k, v = (x.reshape((-1,) + x.shape[-2:]) for x in (p.q, p.k, p.v))
     if q.shape[0] != k.shape[0]:
         return  # GQA/broadcast layouts are covered against the package's own oracle
-    blocks = None if algorithm == "standard" else p.block_sizes
+    blocks = blocks_for(algorithm, p)
     r = fs.simulate(p.q, p.k, p.v, algorithm, block_sizes=blocks, causal=p.causal)
     out = r.out.reshape((-1,) + r.out.shape[-2:])
     lse = r.lse.reshape((-1, r.lse.shape[-1]))
@@ -131,3 +137,30 @@ def test_low_precision_inputs_are_computed_in_float64():
     assert r.traffic.reads["Q"] == 50 * 16 * 2   # bytes counted at fp16 by default
     r32 = fs.simulate(q, k, v, "flash2", block_sizes=(16, 16), io_dtype="float32")
     assert r32.traffic.reads["Q"] == 50 * 16 * 4
+
+
+@settings(max_examples=40)
+@given(attention_problems(max_seq=70, max_dim=24), st.sampled_from(CORE),
+       st.sampled_from(["float16", "bfloat16", "float64"]))
+def test_kernel_precision_of_each_gpu_algorithm(p, algorithm, io):
+    """precision="kernel" (the GPU kernels' roundings) stays within what those roundings
+    allow of the float64 result: FlashAttention's 2× the same-dtype error, one rounding
+    of the output, and for flash1 one rounding of O (ℓ: fp32) per K/V tile it visits."""
+    from flashsim.precision import make_precision
+    from flashsim.testing import EPS, same_dtype_errors
+    rnd = make_precision("kernel", io).io_round
+    q, k, v = (np.asarray(rnd(x), np.float64) for x in (p.q, p.k, p.v))
+    blocks = blocks_for(algorithm, p)
+    exact = fs.simulate(q, k, v, algorithm, block_sizes=blocks, causal=p.causal)
+    kern = fs.simulate(q, k, v, algorithm, block_sizes=blocks, causal=p.causal, io_dtype=io,
+                       precision="kernel")
+    assert kern.traffic == fs.simulate(q, k, v, algorithm, block_sizes=blocks, causal=p.causal,
+                                       io_dtype=io).traffic
+    base_io = "float32" if io == "float64" else io     # m, ℓ, L are fp32 in every kernel
+    base = same_dtype_errors(q, k, v, exact.out, io_dtype=base_io, causal=p.causal)[0]
+    vmax = np.abs(v).max(initial=0)
+    tol = 2 * base + EPS[base_io] * vmax
+    if algorithm == "flash1":
+        Tc = -(-p.Nk // blocks[1])
+        tol += Tc * (EPS[io] / 2 + 2 * EPS["float32"]) * vmax
+    assert np.abs(kern.out - exact.out).max(initial=0) <= tol

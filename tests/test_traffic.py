@@ -18,9 +18,15 @@ IO = st.sampled_from(["float16", "bfloat16", "float32", "float64"])
 SRAM = st.integers(2**9, 2**22)
 
 
+def blocks_for(algorithm, p):
+    """p's tiles; standard attention runs whole matrices (the paper's count) for even
+    Nq and tiled products (as the GPU runs them) for odd, so both are drawn."""
+    return None if algorithm == "standard" and p.Nq % 2 == 0 else p.block_sizes
+
+
 @given(attention_problems(allow_empty=True), st.sampled_from(CORE), IO)
 def test_simulated_equals_count_equals_theory(p, algorithm, io):
-    blocks = None if algorithm == "standard" else p.block_sizes
+    blocks = blocks_for(algorithm, p)
     r = fs.simulate(p.q, p.k, p.v, algorithm, block_sizes=blocks, causal=p.causal, io_dtype=io)
     c = fs.count(algorithm, Nq=p.Nq, Nk=p.Nk, d=p.d, dv=p.dv, batch_shape=p.q.shape[:-2],
                  kv_batch_shape=p.k.shape[:-2], block_sizes=blocks, causal=p.causal,
@@ -142,9 +148,26 @@ def test_causal_square_closed_form():
 def test_standard_traffic_matches_algorithm_0():
     N, d = 1024, 64
     t = fs.count("standard", Nq=N, Nk=N, d=d, io_dtype="float16")
-    # Θ(Nd + N²): 4 N·d element moves (Q, K, V, O) and 4 N² (S, P each written and read)
-    assert t.total_bytes == 2 * (4 * N * d + 4 * N * N)
+    # Θ(Nd + N²): 4 N·d element moves (Q, K, V, O) and 4 N² (S, P each written and read),
+    # and the softmax pass's log-sum-exp L (fp32)
+    assert t.total_bytes == 2 * (4 * N * d + 4 * N * N) + 4 * N
     assert t.reads["S"] == t.writes["S"] == t.reads["P"] == t.writes["P"] == 2 * N * N
+    assert t.writes["L"] == 4 * N
+
+
+def test_tiled_standard_reads_k_and_v_once_per_q_tile():
+    N, d, B = 1000, 64, 128
+    whole = fs.count("standard", Nq=N, Nk=N, d=d)
+    tiled = fs.count("standard", Nq=N, Nk=N, d=d, block_sizes=(B, 64))
+    Tr = -(-N // B)
+    assert tiled.reads["K"] == Tr * whole.reads["K"] and tiled.reads["V"] == Tr * whole.reads["V"]
+    assert tiled.reads["Q"] == whole.reads["Q"] and tiled.writes == whole.writes
+    bw = fs.count_backward("standard", Nq=N, Nk=N, d=d, block_sizes=(B, 64))
+    bw_whole = fs.count_backward("standard", Nq=N, Nk=N, d=d)
+    Tc = -(-N // 64)
+    assert bw.reads["Q"] == Tc * bw_whole.reads["Q"]
+    assert bw.reads["dO"] == (Tc + 1) * bw_whole.reads["dO"] // 2
+    assert bw.reads["K"] == Tr * bw_whole.reads["K"] and bw.writes == bw_whole.writes
 
 
 def test_flash_traffic_follows_theorem2_shape():
