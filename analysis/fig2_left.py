@@ -13,10 +13,12 @@ attention (dV, dP, dQ, dK) and 10·N²·d for flash (it also recomputes S = QK�
 
 Beside them, the paper's A100 numbers (standard 66.6 GFLOPs / 40.3 GB / 41.7 ms;
 FlashAttention 75.2 GFLOPs / 4.4 GB / 7.3 ms) and a roofline lower bound on the time
-from flashsim.hardware.A100. With CuPy and a GPU (fs.gpu.available()), times dense CuPy
-attention (matmul, softmax, matmul; backward from the stored P) and fs.gpu.attention /
-attention_backward with CUDA events, median of --reps after warm-up; without a GPU the
-runtime column stays empty. Writes fig2_left.md and fig2_left.json.
+from flashsim.hardware.A100. With CuPy and a GPU (fs.gpu.available()), times the three
+schedules on the GPU's reference rung (fs.gpu.attention(..., algorithm=...)), each with
+the bytes its instrumented build counted, and for scale the fastest flash2 kernels and
+dense CuPy attention (matmul, softmax, matmul; backward from the stored P), with CUDA
+events, median of --reps after warm-up; without a GPU the runtime column stays empty.
+Writes fig2_left.md and fig2_left.json.
 """
 
 from __future__ import annotations
@@ -107,32 +109,50 @@ def dense_backward(cp, q, k, v, P, dout, scale):
 
 
 def time_gpu(cp, batch: int, reps: int) -> dict:
+    """The three schedules on the GPU's reference rung (the same SIMT code style, so the
+    times compare schedules, not implementations), each with the bytes its instrumented
+    build counted beside the simulator's count for the same tiles; then the fast rungs'
+    flash2 and a dense CuPy standard attention for scale."""
     rng = np.random.default_rng(0)
     q, k, v, do = (cp.asarray(rng.standard_normal((batch, HEADS, N, D)).astype(np.float16))
                    for _ in range(4))
     scale = 1 / math.sqrt(D)
+    kw = dict(Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS))
     out = {}
+    warm = min(3, reps)
+    for alg in ALGS:
+        fb, bb = (fs.gpu.block_sizes(q, v, algorithm=alg, backward=x) for x in (False, True))
+        o, lse, tf = fs.gpu.attention(q, k, v, algorithm=alg, kernel="ref", count_io=True)
+        *_, tb = fs.gpu.attention_backward(q, k, v, o, lse, do, algorithm=alg, kernel="ref",
+                                           count_io=True)
+        sim = (fs.count(alg, block_sizes=fb, **kw), fs.count_backward(alg, block_sizes=bb, **kw))
+        f = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v, algorithm=alg, kernel="ref"),
+                        warmup=warm, reps=reps)
+        b = C.cuda_time(cp, lambda: fs.gpu.attention_backward(q, k, v, o, lse, do,
+                                                              algorithm=alg, kernel="ref"),
+                        warmup=warm, reps=reps)
+        out[alg] = {"fwd_ms": f, "bwd_ms": b, "fwd_bytes": tf.total_bytes,
+                    "bwd_bytes": tb.total_bytes, "counts_equal_simulator": (tf, tb) == sim,
+                    "impl": f"fs.gpu.attention(algorithm={alg!r}, kernel='ref'), forward "
+                            f"Br×Bc = {fb[0]}×{fb[1]}, backward {bb[0]}×{bb[1]}"}
+        del o, lse
+    o, lse = fs.gpu.attention(q, k, v)
+    f = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v), reps=reps)
+    b = C.cuda_time(cp, lambda: fs.gpu.attention_backward(q, k, v, o, lse, do), reps=reps)
+    out["flash2-fast"] = {"fwd_ms": f, "bwd_ms": b,
+                          "impl": "fs.gpu.attention / attention_backward, kernel='auto' (the "
+                                  "fastest rung: wg or tc forward, tc backward)"}
+    del o, lse
     O, P = dense_forward(cp, q, k, v, scale)
     f = C.cuda_time(cp, lambda: dense_forward(cp, q, k, v, scale), reps=reps)
     b = C.cuda_time(cp, lambda: dense_backward(cp, q, k, v, P, do, scale), reps=reps)
-    out["standard"] = {"fwd_ms": f, "bwd_ms": b, "impl": "dense CuPy (matmul, softmax, matmul)"}
-    del O, P
-    o, lse = fs.gpu.attention(q, k, v, kernel="ref")
-    b = C.cuda_time(cp, lambda: fs.gpu.attention_backward(q, k, v, o, lse, do), reps=reps)
-    for kern in ("ref", "tc"):
-        try:
-            fs.gpu.attention(q, k, v, kernel=kern)
-        except ValueError as e:   # the tensor-core kernel does not take these inputs
-            print(f"  fs.gpu.attention(kernel={kern!r}): {e}")
-            continue
-        f = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v, kernel=kern), reps=reps)
-        blocks = fs.gpu.block_sizes(q, v, kernel=kern)
-        out[f"flash2-{kern}"] = {
-            "fwd_ms": f, "bwd_ms": b,
-            "impl": f"fs.gpu.attention(kernel={kern!r}), Br×Bc = {blocks[0]}×{blocks[1]}; "
-                    "backward: fs.gpu.attention_backward (reference kernel)"}
+    out["standard-cupy"] = {"fwd_ms": f, "bwd_ms": b,
+                            "impl": "dense CuPy (cuBLAS matmul, fp32 softmax, matmul; backward "
+                                    "from the stored P)"}
     for key, t in out.items():
-        print(f"  {key}: forward {t['fwd_ms']:.2f} ms, backward {t['bwd_ms']:.2f} ms")
+        print(f"  {key}: forward {t['fwd_ms']:.2f} ms, backward {t['bwd_ms']:.2f} ms"
+              + (f", counted {(t['fwd_bytes'] + t['bwd_bytes']) / 1e9:.2f} GB "
+                 f"(= simulator: {t['counts_equal_simulator']})" if "fwd_bytes" in t else ""))
     return out
 
 
@@ -144,15 +164,13 @@ def markdown(rows, meta, timing) -> str:
                        f"{r['bwd_block_sizes'][1]}" for r in rows if r["fwd_block_sizes"])
     by = {r["algorithm"]: r for r in rows}
     gpu = meta["gpu"]
-    rt_head = f"runtime fwd+bwd, ms ({gpu})" if gpu else "runtime fwd+bwd, ms (needs a GPU)"
+    rt_head = (f"runtime fwd+bwd, ms (reference rung, {gpu})" if gpu
+               else "runtime fwd+bwd, ms (needs a GPU)")
     head = ["", "GFLOPs (matmuls)", "HBM GB fwd", "HBM GB bwd", "HBM GB total",
             "A100 roofline bound, ms", rt_head]
     body = []
     for r in rows:
-        t = None
-        if timing:
-            t = timing.get(r["algorithm"]) or (timing.get("flash2-tc") or timing.get("flash2-ref")
-                                               if r["algorithm"] == "flash2" else None)
+        t = timing.get(r["algorithm"]) if timing else None
         rt = f"{t['fwd_ms'] + t['bwd_ms']:.1f} (fwd {t['fwd_ms']:.1f})" if t else ""
         body.append([f"{r['algorithm']} (flashsim)", f"{r['gflops']:.1f}",
                      f"{r['fwd_hbm_gb']:.2f}", f"{r['bwd_hbm_gb']:.2f}", f"{r['hbm_gb']:.2f}",
@@ -180,21 +198,34 @@ def markdown(rows, meta, timing) -> str:
         f"{A100.hbm_bytes_per_s / 1e12:.3f} TB/s) ({A100.name}, `flashsim.hardware`): a "
         "floor on the time, not a prediction.",
         ("- Runtime: CUDA events, median of " f"{meta['reps']} after warm-up, on {gpu}; "
-         "standard = dense CuPy (matmul, fp32 softmax, matmul; backward from the stored P), "
-         "flash2 = `fs.gpu.attention` (forward: the tensor-core kernel where it runs, "
-         "else the SIMT reference) + `fs.gpu.attention_backward` (the reference kernel, "
-         "not tuned for speed)." if gpu else
+         "each algorithm's own schedule on the GPU's reference rung (`fs.gpu.attention("
+         "..., algorithm=..., kernel='ref')` and `attention_backward`: SIMT kernels in one "
+         "style, so the column compares schedules, not implementations), with the default "
+         "tiles of that rung (the detail table below, whose byte counts are the "
+         "instrumented kernels'; the HBM columns here are at the paper's tiles)."
+         if gpu else
          "- Runtime: needs CuPy and a GPU (`fs.gpu.available()` is False here); rerun "
          "this script on a GPU machine to fill the column."),
         "", C.md_table(head, body), ""]
     if timing:
-        out += [f"GPU runtime detail ({gpu}, batch {meta['batch']}; the flash2 row above uses "
-                "the tensor-core forward where it ran):", "",
+        def counted(t):
+            if "fwd_bytes" not in t:
+                return ["", "", ""]
+            gb = (t["fwd_bytes"] + t["bwd_bytes"]) / 1e9
+            ms = t["fwd_ms"] + t["bwd_ms"]
+            return [f"{gb:.2f}", "yes" if t["counts_equal_simulator"] else "**no**",
+                    f"{gb / ms:.2f}"]
+        out += [f"GPU runtime detail ({gpu}, batch {meta['batch']}): the reference rung "
+                "runs each schedule and counts its bytes (instrumented build, checked against "
+                "`fs.count`/`fs.count_backward` at the same tiles); the last two rows are "
+                "the fastest flash2 kernels and cuBLAS-based standard attention, for scale.",
+                "",
                 C.md_table(["implementation", "forward ms", "backward ms", "fwd+bwd ms",
-                            "fwd TFLOP/s (matmuls)"],
+                            "fwd TFLOP/s (matmuls)", "HBM GB counted (fwd+bwd)",
+                            "= simulator", "GB/ms"],
                            [[t["impl"], f"{t['fwd_ms']:.2f}", f"{t['bwd_ms']:.2f}",
                              f"{t['fwd_ms'] + t['bwd_ms']:.2f}",
-                             f"{by['standard']['fwd_gflops'] / t['fwd_ms']:.1f}"]
+                             f"{by['standard']['fwd_gflops'] / t['fwd_ms']:.1f}", *counted(t)]
                             for t in timing.values()]), ""]
     out += [
         f"flashsim: standard moves {std['hbm_gb'] / f1['hbm_gb']:.1f}× the HBM bytes of "

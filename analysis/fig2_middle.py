@@ -78,6 +78,24 @@ def time_gpu(cp, batch: int, reps: int) -> dict:
                                                       kernel="ref"), reps=reps)
         out[key] = {"Br": Br, "Bc": Bc, "ms": ms, "count_matches": traffic == want}
         print(f"  {key}: {ms:.2f} ms, instrumented count == fs.count: {traffic == want}")
+    for B in BLOCKS:   # FlashAttention-1, the paper's own kernel: its schedule on the GPU
+        Br, Bc = SERIES["flash1"][1](B)
+        key = f"flash1:{Br}x{Bc}"
+        try:
+            _, _, traffic = fs.gpu.attention(q, k, v, block_sizes=(Br, Bc), count_io=True,
+                                             algorithm="flash1")
+        except ValueError as e:
+            out[key] = {"Br": Br, "Bc": Bc, "ms": None, "error": str(e)}
+            print(f"  {key}: does not fit ({str(e)[:90]})")
+            continue
+        want = fs.count("flash1", Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS),
+                        block_sizes=(Br, Bc))
+        ms = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v, block_sizes=(Br, Bc),
+                                                      algorithm="flash1"),
+                         warmup=min(3, reps), reps=reps)
+        out[key] = {"Br": Br, "Bc": Bc, "ms": ms, "count_matches": traffic == want,
+                    "algorithm": "flash1"}
+        print(f"  {key}: {ms:.2f} ms, instrumented count == fs.count: {traffic == want}")
     try:   # the tensor-core kernel, for scale (it runs its own fixed tiles)
         fs.gpu.attention(q, k, v, kernel="tc")
         Br, Bc = fs.gpu.block_sizes(q, v, kernel="tc")
@@ -93,13 +111,16 @@ def markdown(rows, meta, timing) -> str:
     gpu = meta["gpu"]
     head = ["B", "flash1 Br×Bc", "flash1 GB", "flash1 SRAM", "flash2 Br×Bc", "flash2 GB",
             "flash2 SRAM", "flash2 (Br = 64, Bc = B) GB",
+            f"flash1 runtime, ms ({gpu})" if gpu else "flash1 runtime, ms (needs a GPU)",
             f"flash2 runtime, ms ({gpu})" if gpu else "flash2 runtime, ms (needs a GPU)"]
     by = {(r["series"], r["B"]): r for r in rows}
     body = []
     for B in BLOCKS:
         f1, f2, f2c = by[("flash1", B)], by[("flash2", B)], by[("flash2_bc", B)]
-        rt = ""
+        rt = rt1 = ""
         if timing:
+            t1 = timing.get(f"flash1:{f1['Br']}x{f1['Bc']}", {})
+            rt1 = f"{t1['ms']:.2f}" if t1.get("ms") is not None else "does not fit"
             parts = []
             for r in (f2, f2c):
                 t = timing[f"{r['Br']}x{r['Bc']}"]
@@ -109,7 +130,7 @@ def markdown(rows, meta, timing) -> str:
         body.append([B, f"{f1['Br']}×{f1['Bc']}", f"{f1['hbm_gb']:.2f}",
                      f"{f1['sram_peak_bytes'] / 1024:.0f} KiB",
                      f"{f2['Br']}×{f2['Bc']}", f"{f2['hbm_gb']:.2f}",
-                     f"{f2['sram_peak_bytes'] / 1024:.0f} KiB", f"{f2c['hbm_gb']:.2f}", rt])
+                     f"{f2['sram_peak_bytes'] / 1024:.0f} KiB", f"{f2c['hbm_gb']:.2f}", rt1, rt])
     f1 = [by[("flash1", B)]["hbm_gb"] for B in BLOCKS]
     f2 = [by[("flash2", B)]["hbm_gb"] for B in BLOCKS]
     out = [
@@ -126,7 +147,8 @@ def markdown(rows, meta, timing) -> str:
         "simulator's high-water mark for one head (`fs.simulate(...).sram_peak_bytes`), "
         "fp16 tiles and fp32 statistics.",
         ("- Runtime: `fs.gpu.attention(q, k, v, block_sizes=(Br, Bc), kernel=\"ref\")` (the "
-         f"SIMT reference kernel, the one that takes any tiles), CUDA events, median of {meta['reps']} after warm-up, on {gpu}; tilings "
+         "SIMT reference kernel, the one that takes any tiles; `algorithm=\"flash1\"` for "
+         f"flash1, one CTA per head as FlashAttention-1 ran), CUDA events, median of {meta['reps']} after warm-up, on {gpu}; tilings "
          "whose fp32 shared-memory tiles exceed the device's limit raise ValueError and are "
          "marked. Every timed tiling's instrumented count equals fs.count: "
          f"{all(t['count_matches'] for k, t in timing.items() if k != 'tc' and t['ms'] is not None)}."
@@ -141,7 +163,8 @@ def markdown(rows, meta, timing) -> str:
         "SRAM they need grows about linearly in B. The paper's figure shows the same fall in HBM accesses and a runtime that "
         "stops improving past B = 256, where the kernel is no longer memory-bound.", ""]
     if timing:
-        ran = [t for k, t in timing.items() if k != "tc" and t["ms"] is not None]
+        ran = [t for k, t in timing.items()
+               if k != "tc" and not k.startswith("flash1:") and t["ms"] is not None]
         lo, hi = min(t["ms"] for t in ran), max(t["ms"] for t in ran)
         f2_ran = [by[("flash2", B)] for B in BLOCKS
                   if timing.get(f"{B}x{D}", {}).get("ms") is not None]
@@ -150,6 +173,12 @@ def markdown(rows, meta, timing) -> str:
                 f"{f2_ran[0]['hbm_gb'] / f2_ran[-1]['hbm_gb']:.1f}×: that SIMT kernel is bound "
                 "by its shared-memory accesses, not by HBM (kernels_cu/NOTES.md), so its "
                 "runtime does not follow the traffic the way the paper's fused kernel does.")
+        f1_ran = [(B, timing[f"flash1:{D}x{B}"]["ms"]) for B in BLOCKS
+                  if timing.get(f"flash1:{D}x{B}", {}).get("ms") is not None]
+        if f1_ran:
+            line += (" FlashAttention-1's schedule on the same rung (one CTA per head, O, ℓ, "
+                     "m through HBM at every step) takes "
+                     + ", ".join(f"{ms:.1f} ms at B = {B}" for B, ms in f1_ran) + ".")
         if "tc" in timing:
             t = timing["tc"]
             line += (f" The tensor-core kernel (fixed {t['Br']}×{t['Bc']} tiles) takes "
@@ -180,12 +209,19 @@ def plot(plt, rows, meta, timing, path):
         ax2 = ax.twinx()
         pts = [(B, timing[f"{B}x{D}"]["ms"]) for B in BLOCKS
                if f"{B}x{D}" in timing and timing[f"{B}x{D}"]["ms"] is not None]
-        if pts:
-            x, y = zip(*pts)
-            ax2.plot(x, y, color="black", marker="o", linestyle=":",
-                     label=f"FlashAttention-2 runtime, Br = B (ms, {meta['gpu']})")
-            ax2.set_ylabel("runtime (ms)")
-            ax2.set_ylim(0, 1.15 * max(y))
+        pts1 = [(B, timing[f"flash1:{D}x{B}"]["ms"]) for B in BLOCKS
+                if timing.get(f"flash1:{D}x{B}", {}).get("ms") is not None]
+        top = 0.0
+        for series, color, label in ((pts, "black", "FlashAttention-2 runtime, Br = B"),
+                                     (pts1, "tab:blue", "FlashAttention-1 runtime, Bc = B")):
+            if series:
+                x, y = zip(*series)
+                ax2.plot(x, y, color=color, marker="o", linestyle=":",
+                         label=f"{label} (ms, {meta['gpu']})")
+                top = max(top, max(y))
+        if top:
+            ax2.set_ylabel("runtime (ms, reference rung)")
+            ax2.set_ylim(0, 1.15 * top)
             l2, lab2 = ax2.get_legend_handles_labels()
             lines, labels = lines + l2, labels + lab2
     ax.legend(lines, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16),

@@ -30,6 +30,10 @@ SOURCES = {
     "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
                      "flash2_bwd_tc_det"),
     "flash2_wg.cu": ("flash2_fwd_wg",),
+    "flash1_ref.cu": ("flash1_fwd", "flash1_bwd"),
+    "standard_ref.cu": ("standard_fwd_scores", "standard_fwd_softmax", "standard_fwd_out",
+                        "standard_bwd_dv", "standard_bwd_dp", "standard_bwd_ds",
+                        "standard_bwd_dq", "standard_bwd_dk"),
     "splitkv_tc.cu": ("kvcache_append", "splitkv_fwd_tc_m16", "splitkv_fwd_tc_m32",
                       "splitkv_fwd_tc_m64"),
 }
@@ -178,8 +182,24 @@ def grid_rows(kernel: str, Br: int, Bc: int) -> int:
     return Bc if LAUNCH_SPECS[kernel].over == "kv" else Br
 
 
+# The reference rung's other algorithms (flash1_ref.cu, standard_ref.cu), outside the
+# three-level launch model: what blockIdx.x of each runs over. "problem": one CTA walks a
+# whole (batch, head) problem (FlashAttention-1's K/V-outer loop updates every O_i in
+# turn); "q"/"kv": a Q tile of Br rows / a K/V tile of Bc rows; "row": one query row.
+ALGORITHM_GRIDS = {
+    "flash1_fwd": "problem", "flash1_bwd": "problem",
+    "standard_fwd_scores": "q", "standard_fwd_softmax": "row", "standard_fwd_out": "q",
+    "standard_bwd_dv": "kv", "standard_bwd_dp": "q", "standard_bwd_ds": "row",
+    "standard_bwd_dq": "q", "standard_bwd_dk": "kv",
+}
+
+
 def grid(kernel: str, Nq: int, Nk: int, Br: int, Bc: int, problems: int) -> tuple[int, int]:
     """(gridDim.x, gridDim.y) of ``kernel`` for these sizes and tiles."""
+    over = ALGORITHM_GRIDS.get(kernel)
+    if over is not None:
+        n = {"problem": 1, "row": Nq, "q": -(-Nq // Br), "kv": -(-Nk // Bc)}[over]
+        return n, problems
     N = Nk if LAUNCH_SPECS[kernel].over == "kv" else Nq
     B = grid_rows(kernel, Br, Bc)
     return -(-N // B), problems
@@ -367,6 +387,17 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
+    if kernel == "flash1_fwd":      # K_j, V_j; Q_i, O_i; S; m, ℓ and O's two weights
+        return (Bc * d + Bc * dv + Br * d + Br * dv + Br * Bc + 4 * Br) * a
+    if kernel == "flash1_bwd":      # K_j, V_j, dK_j, dV_j; Q_i, dO_i, dQ_i; P, dS; m, ℓ, D
+        return (2 * Bc * d + 2 * Bc * dv + 2 * Br * d + Br * dv + 2 * Br * Bc + 3 * Br) * a
+    if kernel in ("standard_fwd_scores", "standard_bwd_dp"):   # the held rows, a streamed tile
+        n = d if kernel == "standard_fwd_scores" else dv
+        return (Br + Bc) * n * a
+    if kernel in ("standard_fwd_out", "standard_bwd_dq", "standard_bwd_dv", "standard_bwd_dk"):
+        n = d if kernel in ("standard_bwd_dq", "standard_bwd_dk") else dv
+        held, streamed = (Br, Bc) if kernel in ("standard_fwd_out", "standard_bwd_dq") else (Bc, Br)
+        return (held * n + Br * Bc + streamed * n) * a   # the output tile, X_ij, the other operand
     if kernel.startswith("splitkv_fwd_tc_m"):
         # Q_i; K_j, V_j in STAGES; staged page ids; each key group's m, ℓ and weight
         # per row (the merge's O reuses the K/V stages)
@@ -378,14 +409,38 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
 
 BLOCK_CHOICES = (64, 32, 16, 8, 4, 2, 1)
 
+# the kernels each reference-rung algorithm launches with tiles, forward and backward
+ALGORITHM_KERNELS = {
+    ("flash2", False): ("flash2_fwd",), ("flash2", True): ("flash2_bwd_main",),
+    ("flash1", False): ("flash1_fwd",), ("flash1", True): ("flash1_bwd",),
+    ("standard", False): ("standard_fwd_scores", "standard_fwd_out"),
+    ("standard", True): ("standard_fwd_scores", "standard_bwd_dv", "standard_bwd_dp",
+                         "standard_bwd_dq", "standard_bwd_dk"),
+}
+# standard attention's row passes hold a row of S, P, dP (a whole row each) in shared
+# memory, in the I/O type, beside one accumulator per thread for their reductions
+ROW_KERNELS = {"standard_fwd_softmax": 1, "standard_bwd_ds": 3}
+
+
+def row_smem_bytes(kernel: str, Nk: int, dtype: str, softcap: bool = True) -> int:
+    """Dynamic shared memory of a row pass of standard attention for rows of Nk keys (the
+    dS pass holds S too only with a softcap)."""
+    rows = ROW_KERNELS[kernel] - (kernel == "standard_bwd_ds" and not softcap)
+    item = ITEM_BYTES[dtype]
+    return REF_THREADS * ACC_BYTES[dtype] + rows * Nk * item
+
+
+ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
 
 def default_block_sizes(d: int, dv: int, dtype: str, smem_limit: int,
-                        backward: bool = False) -> tuple[int, int]:
-    """The largest square tile B×B (B in 64, 32, 16, …) whose CTA fits ``smem_limit``
-    bytes; pass these to `flashsim.simulate` to predict the kernel's traffic."""
-    kernel = "flash2_bwd_main" if backward else "flash2_fwd"
+                        backward: bool = False, algorithm: str = "flash2") -> tuple[int, int]:
+    """The largest square tile B×B (B in 64, 32, 16, …) whose CTAs (every tiled kernel of
+    the reference rung's ``algorithm``) fit ``smem_limit`` bytes; pass these to
+    `flashsim.simulate` to predict the kernels' traffic."""
+    names = ALGORITHM_KERNELS[(algorithm, bool(backward))]
     for B in BLOCK_CHOICES:
-        if smem_bytes(kernel, B, B, d, dv, dtype) <= smem_limit:
+        if all(smem_bytes(k, B, B, d, dv, dtype) <= smem_limit for k in names):
             return B, B
     raise ValueError(f"no tile fits {smem_limit} bytes of shared memory at d={d}, dv={dv}")
 

@@ -170,6 +170,10 @@ enum IoCounter {
     // decoding over a KV cache (splitkv_tc.cu): appended rows, the block table, partials
     IO_K_W, IO_V_W, IO_Knew_R, IO_Vnew_R, IO_block_table_R,
     IO_Osplit_R, IO_Osplit_W, IO_Lsplit_R, IO_Lsplit_W,
+    // FlashAttention-1 (flash1_ref.cu): the running statistics and dQ through HBM
+    IO_l_R, IO_l_W, IO_m_R, IO_m_W, IO_dQ_R,
+    // standard attention (standard_ref.cu): the N × N matrices through HBM
+    IO_S_R, IO_S_W, IO_P_R, IO_P_W, IO_dP_R, IO_dP_W, IO_dS_R, IO_dS_W,
     IO_NUM_COUNTERS
 };
 

@@ -10,7 +10,8 @@ Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, bot
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
 into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
-(kernels_cu/splitkv_tc.cu), and packed varlen batches.
+(kernels_cu/splitkv_tc.cu), packed varlen batches, and FlashAttention-1 and standard
+attention (flash1_ref.cu, standard_ref.cu).
 """
 
 import sys
@@ -89,6 +90,7 @@ def main(n_cases: int = 8) -> int:
                     fast_variants += 5
     launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
     launches += varlen(rng, n_cases, dtypes)
+    launches += paper_algorithms(rng, n_cases, dtypes)
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
@@ -121,6 +123,33 @@ def varlen(rng, n_cases, dtypes):
                                                  block_sizes=(16, 8), count_io=count_io,
                                                  kernel="ref", deterministic=count_io, **var)
                 launches += 4
+    return launches
+
+
+def paper_algorithms(rng, n_cases, dtypes):
+    """flash1_ref.cu and standard_ref.cu: ragged sizes, GQA, dv ≠ d, tiles that do not
+    divide N, a window, softcap and ALiBi, both builds, forward and backward."""
+    launches = 0
+    for case in range(n_cases):
+        Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
+        d = int(rng.choice([3, 16, 40, 64]))
+        dv, hk, g = int(rng.choice([d, 24])), 2, (1, 2)[case % 2]
+        blocks = [None, (16, 32), (7, 5)][case % 3]
+        var = [dict(causal=True), dict(window=(int(rng.integers(0, 40)), 3),
+                                       softcap=float(rng.uniform(1, 20)),
+                                       alibi_slopes=rng.uniform(0, 0.5, (2, hk * g)))][case % 2]
+        for dtype in dtypes:
+            q = dev(rng.standard_normal((2, hk * g, Nq, d)), dtype)
+            k = dev(rng.standard_normal((2, hk, Nk, d)), dtype)
+            v = dev(rng.standard_normal((2, hk, Nk, dv)), dtype)
+            for algorithm in ("flash1", "standard"):
+                for count_io in (False, True):
+                    out, lse = fs.gpu.attention(q, k, v, algorithm=algorithm, block_sizes=blocks,
+                                                count_io=count_io, **var)[:2]
+                    dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
+                    fs.gpu.attention_backward(q, k, v, out, lse, dout, algorithm=algorithm,
+                                              block_sizes=blocks, count_io=count_io, **var)
+                    launches += 2 if algorithm == "flash1" else 10
     return launches
 
 

@@ -244,6 +244,40 @@ def test_variants_backward_match_the_simulator(problem, deterministic):
         G.check_variants_backward(*problem, deterministic)
 
 
+@EMU
+@given(G.algorithm_problems(dtypes=DTYPES, max_seq=100), st.sampled_from(G.PAPER_ALGORITHMS),
+       st.booleans())
+def test_flash1_and_standard_forward_match_the_simulator(problem, algorithm, default_tiles):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_algorithm_forward(*problem, algorithm, default_tiles)
+
+
+@EMU
+@given(G.algorithm_problems(dtypes=DTYPES, max_seq=80), st.sampled_from(G.PAPER_ALGORITHMS))
+def test_flash1_and_standard_backward_match_the_simulator(problem, algorithm):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_algorithm_backward(*problem, algorithm)
+
+
+def test_algorithm_is_checked_before_any_launch():
+    G.test_algorithm_is_checked_before_any_launch()
+
+
+def test_standard_rows_must_fit_shared_memory(monkeypatch):
+    """The row passes hold a row of S (P, dP) in shared memory: a row too long for the
+    device is refused before any launch, naming the limit and the way out."""
+    monkeypatch.setattr(fs.gpu._device, "smem_limit", lambda: 8 * 1024)
+    launched = []
+    monkeypatch.setattr(fs.gpu._device, "launch", lambda *a, **k: launched.append(a))
+    q = np.ones((2, 8), np.float16)
+    k = np.ones((5000, 8), np.float16)
+    with pytest.raises(ValueError, match="holds a row of 5000 keys.*algorithm='flash2'"):
+        fs.gpu.attention(q, k, k, algorithm="standard", block_sizes=(2, 16))
+    assert not launched
+
+
 def test_variants_are_checked_before_any_launch():
     q = np.ones((1, 2, 8, 16), np.float32)
     with pytest.raises(ValueError, match=">= -1"):

@@ -670,6 +670,122 @@ def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic, ker
         assert err <= rel * scale, (name, err, scale)
 
 
+# -- FlashAttention-1 and standard attention (the reference rung) ------------------------
+
+PAPER_ALGORITHMS = ("flash1", "standard")
+
+
+def algorithm_problems(dtypes=None, max_seq=150):
+    """The variants' problems (tiles drawn; windows that cut them or reach past the
+    matrix; softcap with large logits; ALiBi with GQA), for flash1 and standard."""
+    return variant_problems(dtypes=dtypes, max_seq=max_seq)
+
+
+@given(algorithm_problems(), st.sampled_from(PAPER_ALGORITHMS), st.booleans())
+def test_flash1_and_standard_forward_match_the_simulator(poisoned, problem, algorithm,
+                                                         default_tiles):
+    check_algorithm_forward(*problem, algorithm, default_tiles)
+
+
+@given(algorithm_problems(max_seq=110), st.sampled_from(PAPER_ALGORITHMS))
+def test_flash1_and_standard_backward_match_the_simulator(poisoned, problem, algorithm):
+    check_algorithm_backward(*problem, algorithm)
+
+
+def check_algorithm_forward(q, k, v, dtype, blocks, variants, algorithm, default_tiles=False):
+    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    if default_tiles or not _fits_algorithm(blocks, algorithm, False, q.shape[-1],
+                                            v.shape[-1], dtype):
+        blocks = None
+    out, lse, traffic = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, count_io=True,
+                                         algorithm=algorithm, **variants)
+    out_fast, lse_fast = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, algorithm=algorithm,
+                                          **variants)
+    out, lse, out_fast, lse_fast = map(host, (out, lse, out_fast, lse_fast))
+    np.testing.assert_array_equal(out, out_fast)     # instrumenting changes no result
+    np.testing.assert_array_equal(lse, lse_fast)
+    used = blocks or fs.gpu.block_sizes(qd, vd, algorithm=algorithm)
+    sim = fs.simulate(q, k, v, algorithm, block_sizes=used, io_dtype=dtype, **variants)
+    assert traffic == sim.traffic, traffic.diff(sim.traffic)
+    simk = fs.simulate(q, k, v, algorithm, block_sizes=used, io_dtype=dtype,
+                       precision="kernel", **variants)
+    fin = np.isfinite(sim.lse)
+    assert np.array_equal(np.isneginf(lse), ~fin)              # rows that see no key
+    assert (out[~fin] == 0).all()
+    # the kernel-precision twin: the same roundings (flash1's O at every step, standard's
+    # S and P in the I/O type), in another order of fp32 sums
+    tol = _variant_tolerance(q, k, dtype, variants, k.shape[-2])
+    vmax = max(1.0, np.abs(v).max())
+    np.testing.assert_allclose(out, simk.out, rtol=tol, atol=tol * vmax)
+    np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=tol, atol=tol)
+    plain = all(variants[n] is None for n in ("window", "softcap", "alibi_slopes"))
+    if plain and dtype in ("float16", "bfloat16"):
+        # FlashAttention's rule against float64, plus one rounding of the output; flash1
+        # also rounds O to the I/O type (and ℓ to fp32) once per K/V tile it visits, and
+        # each rounding is weighted by at most 1 in the final O
+        err = np.abs(out - sim.out).max(initial=0)
+        base = same_dtype_error(q, k, v, dtype, variants["causal"], sim.out)[0]
+        bound = 2 * base + EPS[dtype] * np.abs(sim.out).max(initial=0)
+        if algorithm == "flash1":
+            bound += -(-k.shape[-2] // used[1]) * (EPS[dtype] / 2 + 2 * EPS["float32"]) * vmax
+        assert err <= bound, (err, bound)
+
+
+def _fits_algorithm(blocks, algorithm, backward, d, dv, dtype):
+    names = fs.kernels.ALGORITHM_KERNELS[(algorithm, backward)]
+    return all(fs.kernels.smem_bytes(n, *blocks, d, dv, dtype) <= fs.gpu.smem_limit()
+               for n in names)
+
+
+def check_algorithm_backward(q, k, v, dtype, blocks, variants, algorithm):
+    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    if not _fits_algorithm(blocks, algorithm, True, q.shape[-1], v.shape[-1], dtype):
+        blocks = fs.gpu.block_sizes(qd, vd, backward=True, algorithm=algorithm)
+    out, lse = fs.gpu.attention(qd, kd, vd, algorithm=algorithm, block_sizes=blocks,
+                                **variants)
+    o, L = host(out), host(lse)
+    rnd = make_precision("kernel", dtype).io_round
+    dout = rnd(np.random.default_rng(1).standard_normal(o.shape)).astype(np.float64)
+    *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+                                                block_sizes=blocks, count_io=True,
+                                                algorithm=algorithm, **variants)
+    again = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+                                      block_sizes=blocks, algorithm=algorithm, **variants)
+    grads = [host(x) for x in grads]
+    for a, b in zip(grads, again):      # no atomics: the same bits, instrumented or not
+        np.testing.assert_array_equal(a, host(b))
+    sim = fs.simulate_backward(q, k, v, o, L, dout, algorithm, block_sizes=blocks,
+                               io_dtype=dtype, **variants)
+    assert traffic == sim.traffic, traffic.diff(sim.traffic)
+    simk = fs.simulate_backward(q, k, v, o, L, dout, algorithm, block_sizes=blocks,
+                                io_dtype=dtype, precision="kernel", **variants)
+    # the twin, to the terms each gradient sums (as check_variants_backward); flash1's dQ
+    # goes back to HBM in the I/O type once per K/V tile, each rounding a chance to fall
+    # the other way
+    rel = 1e-4 if dtype in ("float32", "float64") else 32 * EPS[dtype]
+    s_rounding = EPS["float32"] / EPS[dtype] if dtype in ("float16", "bfloat16") else 1.0
+    mags = grad_magnitudes(q, k, v, o, dout, s_rounding=s_rounding, **variants)
+    steps = -(-k.shape[-2] // blocks[1]) if algorithm == "flash1" else 1
+    for n, (name, a, b) in enumerate(zip(("dq", "dk", "dv"), grads, (simk.dq, simk.dk, simk.dv))):
+        assert np.isfinite(a).all(), name
+        err, scale = np.abs(a - b).max(initial=0), max(np.abs(b).max(initial=0), mags[n])
+        allowed = rel * scale + (steps * EPS[dtype] * scale if n == 0 else 0)
+        assert err <= allowed, (name, err, scale)
+
+
+def test_algorithm_is_checked_before_any_launch():
+    q = dev(np.ones((4, 8)), "float32")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        fs.gpu.attention(q, q, q, algorithm="flash3")
+    with pytest.raises(ValueError, match="reference kernels only"):
+        fs.gpu.attention(q, q, q, algorithm="flash1", kernel="tc")
+    with pytest.raises(ValueError, match="reference kernels only"):
+        fs.gpu.attention_backward(q, q, q, q, np.zeros(4), q, algorithm="standard",
+                                  kernel="tc")
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
+        fs.gpu.attention(q, q, q, algorithm="standard", block_sizes=(4096, 4096))
+
+
 # -- packed varlen batches (the reference rung) -------------------------------------------
 
 @st.composite

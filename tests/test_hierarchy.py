@@ -279,10 +279,11 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
     """Each kernel's outer tile comes from blockIdx.x as LAUNCH_SPECS says (the
     deterministic tensor-core backward reverses through its DET template flag)."""
     text = {src: (K.kernel_dir() / src).read_text() for src in K.SOURCES}
-    # the decoding kernels' grids (splits × Q tiles × batch·kv_heads) are not in the
-    # three-level model yet: they alone are outside the table
+    # the decoding kernels' grids (splits × Q tiles × batch·kv_heads) and flash1's and
+    # standard attention's (kernels.ALGORITHM_GRIDS) are not in the three-level model yet:
+    # they alone are outside the table
     outside = {n for names in K.SOURCES.values() for n in names} - set(K.LAUNCH_SPECS)
-    assert outside == set(K.SOURCES["splitkv_tc.cu"])
+    assert outside == set(K.SOURCES["splitkv_tc.cu"]) | set(K.ALGORITHM_GRIDS)
     for src, names in K.SOURCES.items():
         body = text[src]
         for name in names:
@@ -303,6 +304,28 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
                    or re.search(rf"seq_of\(vl, blockIdx\.x, .*\n\s*const int {var} = sq\.tile", after))
             assert (rev is not None) == (spec.order == "reversed"), name
             assert rev or nat, name
+
+
+def test_the_other_algorithms_grids_match_their_kernels():
+    """kernels.ALGORITHM_GRIDS (what the launcher sizes gridDim.x by) against the blockIdx.x
+    arithmetic of flash1_ref.cu and standard_ref.cu."""
+    want = {"problem": None, "q": r"i0 = blockIdx\.x \* Br", "kv": r"j0 = blockIdx\.x \* Bc",
+            "row": r"(r = blockIdx\.x|\* Nq \+ blockIdx\.x)"}
+    for src in ("flash1_ref.cu", "standard_ref.cu"):
+        body = (K.kernel_dir() / src).read_text()
+        starts = [(m.start(), name) for name in K.SOURCES[src]
+                  for m in [re.search(r"__global__ void " + name + r"\(", body)]]
+        starts.sort()
+        for n, (start, name) in enumerate(starts):
+            text = body[start:starts[n + 1][0] if n + 1 < len(starts) else len(body)]
+            pattern = want[K.ALGORITHM_GRIDS[name]]
+            if pattern is None:
+                assert "blockIdx.x" not in text, name
+            else:
+                assert re.search(pattern, text), name
+    assert K.grid("flash1_fwd", 100, 70, 16, 8, 6) == (1, 6)
+    assert K.grid("standard_bwd_dk", 100, 70, 16, 8, 6) == (9, 6)
+    assert K.grid("standard_fwd_softmax", 100, 70, 16, 8, 6) == (100, 6)
 
 
 def test_grids_threads_and_occupancy():

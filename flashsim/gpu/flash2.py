@@ -14,7 +14,8 @@ import numpy as np
 from .. import kernels as K
 from ..problem import canon_batch, check_scale, Shape
 from ..variants import canonical_slopes, check_softcap, make_band
-from . import _arrays as arrays, _device as dev
+from . import _arrays as arrays, _device as dev, algorithms
+from .algorithms import check_algorithm
 
 KERNELS = ("auto", "ref", "tc", "wg")
 LOG2E = math.log2(math.e)
@@ -165,12 +166,15 @@ def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int,
 
 
 def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=None,
-                softcap=None, alibi_slopes=None) -> tuple[int, int]:
+                softcap=None, alibi_slopes=None, algorithm: str = "flash2") -> tuple[int, int]:
     """The (Br, Bc) the kernels use by default for these inputs (pass them to
     `flashsim.simulate` to predict the kernels' traffic); with a window, softcap or
-    ALiBi slopes, those of the rung that runs them."""
+    ALiBi slopes, those of the rung that runs them; for ``algorithm`` "flash1" or
+    "standard", those of its reference kernels."""
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
+    if check_algorithm(algorithm, kernel) != "flash2":
+        return algorithms.tiles(None, shape, qi.dtype, algorithm, backward)
     var = softcap is not None or alibi_slopes is not None
     which = _choose(kernel, shape, qi.dtype, None, backward,
                     variant=_asked(window, softcap, alibi_slopes), var=var)
@@ -185,7 +189,7 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
 
 def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap=None,
               alibi_slopes=None, block_sizes=None, count_io: bool = False,
-              kernel: str = "auto"):
+              kernel: str = "auto", algorithm: str = "flash2"):
     """FlashAttention-2 forward on the GPU: (out, lse), or (out, lse, traffic) with
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
@@ -201,7 +205,18 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     ``alibi_slopes`` ((heads,) or (batch, heads), fp32), on every rung (the fast rungs
     run softcap and ALiBi in their own template instances, so plain attention pays
     nothing for them).
+
+    ``algorithm``: "flash2" (default), or the paper's other two schedules on the
+    reference rung, "flash1" (FlashAttention-1: K/V outer, O, ℓ, m through HBM at every
+    step) and "standard" (S, P and O each through HBM), with their variants, tiles and
+    instrumented counts (flashsim.gpu.algorithms).
     """
+    if check_algorithm(algorithm, kernel) != "flash2":
+        with arrays.stream(q):
+            return algorithms.forward(q, k, v, algorithm=algorithm, causal=causal,
+                                      scale=scale, window=window, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, block_sizes=block_sizes,
+                                      count_io=count_io)
     plain = _asked(window, softcap, alibi_slopes) is None
     if plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
         fast = _torch_forward(q, k, v, causal, scale, kernel)
@@ -261,7 +276,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=None,
                        window=None, softcap=None, alibi_slopes=None, block_sizes=None,
                        count_io: bool = False, kernel: str = "auto",
-                       deterministic: bool = False):
+                       deterministic: bool = False, algorithm: str = "flash2"):
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
     `attention`: the tensor-core main loop ("tc": float16/bfloat16, d = dv ∈ {64, 128},
@@ -271,9 +286,18 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     run, and so do the last bits of dq. ``deterministic=True`` makes the tiles add in a
     fixed order (each waits for the one before it), so dq is the same bits on every run,
     at some cost in speed; the bytes moved are the same. ``window``, ``softcap`` and
-    ``alibi_slopes`` must be those of the forward (the softcap's tanh is recomputed)."""
+    ``alibi_slopes`` must be those of the forward (the softcap's tanh is recomputed).
+
+    ``algorithm`` "flash1" and "standard" run those schedules' backward passes on the
+    reference rung (`attention`); both are deterministic (no atomics)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    if check_algorithm(algorithm, kernel) != "flash2":
+        with arrays.stream(q):
+            return algorithms.backward(q, k, v, out, lse, dout, algorithm=algorithm,
+                                       causal=causal, scale=scale, window=window,
+                                       softcap=softcap, alibi_slopes=alibi_slopes,
+                                       block_sizes=block_sizes, count_io=count_io)
     plain = _asked(window, softcap, alibi_slopes) is None
     if (plain and not count_io and block_sizes is None and kernel in ("auto", "tc")
             and not deterministic):
@@ -288,12 +312,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
                                    deterministic=deterministic)
 
 
-def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softcap,
-                        alibi_slopes, block_sizes, count_io, kernel, deterministic):
-    cp = dev.cupy()
-    qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
-    shape, Q, Kd, Vd, kv_index = arrays.layout(qi, ki, vi)
-    dtype = qi.dtype
+def saved(cp, shape: Shape, dtype: str, out, lse, dout):
+    """The forward's out and the upstream dout (as `arrays.In`, checked against q, k, v)
+    and lse as fp32 (problems, Nq)."""
     oi, doi = arrays.In(out, "out"), arrays.In(dout, "dout")
     want = shape.batch_shape + (shape.Nq, shape.dv)
     for name, x in (("out", oi), ("dout", doi)):
@@ -308,7 +329,16 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     if tuple(L.shape) != shape.batch_shape + (shape.Nq,):
         raise ValueError(f"lse has shape {tuple(L.shape)}, but q, k, v call for "
                          f"{shape.batch_shape + (shape.Nq,)}")
-    L = cp.ascontiguousarray(L.astype(cp.float32, copy=False)).reshape(-1, shape.Nq)
+    return oi, doi, cp.ascontiguousarray(L.astype(cp.float32, copy=False)).reshape(-1, shape.Nq)
+
+
+def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softcap,
+                        alibi_slopes, block_sizes, count_io, kernel, deterministic):
+    cp = dev.cupy()
+    qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
+    shape, Q, Kd, Vd, kv_index = arrays.layout(qi, ki, vi)
+    dtype = qi.dtype
+    oi, doi, L = saved(cp, shape, dtype, out, lse, dout)
     scale = check_scale(scale, shape.d)
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
                                                       softcap, alibi_slopes)
