@@ -9,6 +9,7 @@ calls run the reference rung's kernels on the CPU (NumPy arrays in and out).
     out, lse, traffic = fs.gpu.attention(q, k, v, count_io=True)
     traffic == fs.simulate(q, k, v, "flash2", block_sizes=fs.gpu.block_sizes(q, v)).traffic
     out, lse = fs.gpu.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed batches
+    out, lse = fs.gpu.attention(q, k, v, algorithm="flash1")   # or "standard": the paper's others
 
 Inputs: CuPy arrays, NumPy arrays (copied to the device), or any tensor exposing
 ``__cuda_array_interface__`` or ``__dlpack__`` (PyTorch: no copy). Results are CuPy
@@ -22,7 +23,8 @@ with NVRTC and cached; ``count_io=True`` runs the instrumented build, whose thre
 add the bytes of every tile they move to per-tensor counters, and returns that as a
 `flashsim.Traffic`. Three rungs: "ref" (flash2_ref.cu, any dtype and tile), "tc"
 (flash2_tc.cu, mma.sync tensor cores, Ampere and later) and "wg" (flash2_wg.cu, the
-forward on Hopper's warpgroup MMAs, compute capability 9.0 only).
+forward on Hopper's warpgroup MMAs, compute capability 9.0 only); FlashAttention-1 and
+standard attention on the reference rung (flash1_ref.cu, standard_ref.cu).
 """
 
 from ._device import (GPUUnavailableError, INSTALL_HINT, THREADS, available, compile_options,
