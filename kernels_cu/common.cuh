@@ -121,6 +121,54 @@ template <typename A> struct Scores {
     }
 };
 
+// -- one step of the reference backward (flash2_ref.cu, flash1_ref.cu) -----------------
+// For the Q tile of `rows` rows from row i0 against the K/V tile of `cols` keys from key
+// j0, all in shared memory: P = exp(S − m) (times 1/ℓ per row where sl is given: flash1's
+// ℓ; flash2's m is L), dS = P ∘ (dO Vᵀ − D) through the softcap, rounded to T (it meets
+// K and Q in the I/O type), then dV_j += round(P)ᵀ dO_i and dK_j += scale · dSᵀ Q_i. Call
+// after a barrier that makes the tiles and D visible; leaves dS in sdS for the caller's dQ.
+template <typename T, typename A>
+__device__ void ref_bwd_step(const A* sQ, const A* sK, const A* sV, const A* sdO, const A* sm,
+                             const A* sl, const A* sD, A* sP, A* sdS, A* sdK, A* sdV,
+                             int rows, int cols, int d, int dv, int Bc, int i0, int j0,
+                             const Band& band, const Scores<A>& score, A scale, A softcap) {
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (int x = tid; x < rows * cols; x += nt) {             // P = exp(S − m) / ℓ
+        const int r = x / cols, c = x % cols;
+        A s = A(0);
+        for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
+        const bool live = band.sees(i0 + r, j0 + c) && !is_neg_inf(sm[r]);
+        A t = A(0);
+        const A S = score(s * scale, i0 + r, j0 + c, &t);
+        const A inv = sl == nullptr ? A(1) : (sl[r] > A(0) ? A(1) / sl[r] : A(0));
+        sP[r * Bc + c] = live ? exp_acc(S - sm[r]) * inv : A(0);
+        sdS[r * Bc + c] = t;   // tanh of the softcap, read back by this thread below
+    }
+    __syncthreads();
+    for (int x = tid; x < rows * cols; x += nt) {             // dS = P ∘ (dO Vᵀ − D)
+        const int r = x / cols, c = x % cols;
+        A dp = A(0);
+        for (int k = 0; k < dv; ++k) dp += sdO[r * dv + k] * sV[c * dv + k];
+        // through the softcap: d(c·tanh(s/c))/ds = 1 − tanh²
+        const A t = sdS[r * Bc + c];
+        const A through = softcap > A(0) ? A(1) - t * t : A(1);
+        sdS[r * Bc + c] = round_io<T>(sP[r * Bc + c] * (dp - sD[r]) * through);
+    }
+    __syncthreads();
+    for (int x = tid; x < cols * dv; x += nt) {               // dV_j += Pᵀ dO_i
+        const int c = x / dv, k = x % dv;
+        A acc = A(0);
+        for (int r = 0; r < rows; ++r) acc += round_io<T>(sP[r * Bc + c]) * sdO[r * dv + k];
+        sdV[x] += acc;
+    }
+    for (int x = tid; x < cols * d; x += nt) {                // dK_j += scale · dSᵀ Q_i
+        const int c = x / d, k = x % d;
+        A acc = A(0);
+        for (int r = 0; r < rows; ++r) acc += sdS[r * Bc + c] * sQ[r * d + k];
+        sdK[x] += scale * acc;
+    }
+}
+
 // -- ordered accumulation (the deterministic backward) ----------------------------------
 // The K/V tiles that add into one Q tile's rows of dQacc take turns in a fixed order of
 // j (increasing in the reference kernel, decreasing in the tensor-core one): turn[q tile]

@@ -210,40 +210,10 @@ __global__ void flash1_bwd(const T* __restrict__ Q, const T* __restrict__ K,
             }
             COUNT_IO(io, IO_O_R, (long long)rows * dv * sizeof(T));   // HBM→SRAM: O_i (Br·dv)
 
-            for (int x = tid; x < rows * cols; x += nt) {             // P = exp(S − m) / ℓ
-                const int r = x / cols, c = x % cols;
-                A s = A(0);
-                for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
-                const bool live = band.sees(i0 + r, j0 + c) && !is_neg_inf(sm[r]);
-                A t = A(0);
-                const A S = score(s * scale, i0 + r, j0 + c, &t);
-                const A inv = sl[r] > A(0) ? A(1) / sl[r] : A(0);
-                sP[r * Bc + c] = live ? exp_acc(S - sm[r]) * inv : A(0);
-                sdS[r * Bc + c] = t;   // tanh of the softcap, read back by this thread below
-            }
-            __syncthreads();
-            for (int x = tid; x < rows * cols; x += nt) {             // dS = P ∘ (dO Vᵀ − D)
-                const int r = x / cols, c = x % cols;
-                A dp = A(0);
-                for (int k = 0; k < dv; ++k) dp += sdO[r * dv + k] * sV[c * dv + k];
-                // through the softcap: d(c·tanh(s/c))/ds = 1 − tanh²
-                const A t = sdS[r * Bc + c];
-                const A through = softcap > A(0) ? A(1) - t * t : A(1);
-                sdS[r * Bc + c] = round_io<T>(sP[r * Bc + c] * (dp - sD[r]) * through);
-            }
-            __syncthreads();
-            for (int x = tid; x < cols * dv; x += nt) {               // dV_j += Pᵀ dO_i
-                const int c = x / dv, k = x % dv;
-                A acc = A(0);
-                for (int r = 0; r < rows; ++r) acc += round_io<T>(sP[r * Bc + c]) * sdO[r * dv + k];
-                sdV[x] += acc;
-            }
-            for (int x = tid; x < cols * d; x += nt) {                // dK_j += scale · dSᵀ Q_i
-                const int c = x / d, k = x % d;
-                A acc = A(0);
-                for (int r = 0; r < rows; ++r) acc += sdS[r * Bc + c] * sQ[r * d + k];
-                sdK[x] += scale * acc;
-            }
+            __syncthreads();  // D_i is written
+            // P = exp(S − m)/ℓ, dS, and dV_j, dK_j updated (common.cuh)
+            ref_bwd_step<T>(sQ, sK, sV, sdO, sm, sl, sD, sP, sdS, sdK, sdV, rows, cols, d, dv,
+                            Bc, i0, j0, band, score, scale, softcap);
             for (int x = tid; x < rows * d; x += nt) {                // dQ_i += scale · dS K_j
                 const int r = x / d, k = x % d;
                 A acc = A(0);

@@ -221,39 +221,9 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
         COUNT_IO(io, IO_D_R, (long long)rows * 4);                // HBM→SRAM: D_i (Br)
         __syncthreads();
 
-        for (int x = tid; x < rows * cols; x += nt) {             // P = exp(S − L)
-            const int r = x / cols, c = x % cols;
-            A s = A(0);
-            for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
-            const bool live = band.sees(i0 + r, j0 + c) && !is_neg_inf(sL[r]);
-            A t = A(0);
-            const A S = score(s * scale, i0 + r, j0 + c, &t);
-            sP[r * Bc + c] = live ? exp_acc(S - sL[r]) : A(0);
-            sdS[r * Bc + c] = t;   // tanh of the softcap, read back by this thread below
-        }
-        __syncthreads();
-        for (int x = tid; x < rows * cols; x += nt) {             // dS = P ∘ (dO Vᵀ − D)
-            const int r = x / cols, c = x % cols;
-            A dp = A(0);
-            for (int k = 0; k < dv; ++k) dp += sdO[r * dv + k] * sV[c * dv + k];
-            // through the softcap: d(c·tanh(s/c))/ds = 1 − tanh²
-            const A t = sdS[r * Bc + c];
-            const A through = softcap > A(0) ? A(1) - t * t : A(1);
-            sdS[r * Bc + c] = round_io<T>(sP[r * Bc + c] * (dp - sD[r]) * through);
-        }
-        __syncthreads();
-        for (int x = tid; x < cols * dv; x += nt) {               // dV_j += Pᵀ dO_i
-            const int c = x / dv, k = x % dv;
-            A acc = A(0);
-            for (int r = 0; r < rows; ++r) acc += round_io<T>(sP[r * Bc + c]) * sdO[r * dv + k];
-            sdV[x] += acc;
-        }
-        for (int x = tid; x < cols * d; x += nt) {                // dK_j += scale · dSᵀ Q_i
-            const int c = x / d, k = x % d;
-            A acc = A(0);
-            for (int r = 0; r < rows; ++r) acc += sdS[r * Bc + c] * sQ[r * d + k];
-            sdK[x] += scale * acc;
-        }
+        // P = exp(S − L), dS, and dV_j, dK_j updated (common.cuh)
+        ref_bwd_step<T>(sQ, sK, sV, sdO, sL, (const A*)nullptr, sD, sP, sdS, sdK, sdV, rows,
+                        cols, d, dv, Bc, i0, j0, band, score, scale, softcap);
         int* turn = sem + ((long long)p * sq.tiles + sq.t0 + i);
         int mine = 0;                                             // visiting tiles before j
         if (sem != nullptr) {                                     // deterministic: in order of j
