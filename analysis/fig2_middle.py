@@ -62,39 +62,25 @@ def time_gpu(cp, batch: int, reps: int) -> dict:
     q, k, v = (cp.asarray(rng.standard_normal((batch, HEADS, N, D)).astype(np.float16))
                for _ in range(3))
     out = {}
-    tilings = sorted({SERIES[s][1](B) for s in ("flash2", "flash2_bc") for B in BLOCKS})
-    for Br, Bc in tilings:
-        key = f"{Br}x{Bc}"
+    # flash2's tilings (keys "BrxBc"), then FlashAttention-1's, the paper's own kernel
+    # (keys "flash1:BrxBc"), each on the reference rung
+    runs = [("flash2", t, f"{t[0]}x{t[1]}") for t in
+            sorted({SERIES[s][1](B) for s in ("flash2", "flash2_bc") for B in BLOCKS})]
+    runs += [("flash1", t, f"flash1:{t[0]}x{t[1]}") for t in
+             (SERIES["flash1"][1](B) for B in BLOCKS)]
+    for alg, (Br, Bc), key in runs:
+        kw = dict(block_sizes=(Br, Bc), kernel="ref", algorithm=alg)
         try:
-            _, _, traffic = fs.gpu.attention(q, k, v, block_sizes=(Br, Bc), count_io=True,
-                                             kernel="ref")
+            _, _, traffic = fs.gpu.attention(q, k, v, count_io=True, **kw)
         except ValueError as e:   # the tiles do not fit the device's shared memory
             out[key] = {"Br": Br, "Bc": Bc, "ms": None, "error": str(e)}
             print(f"  {key}: does not fit ({str(e)[:90]})")
             continue
-        want = fs.count("flash2", Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS),
-                        block_sizes=(Br, Bc))
-        ms = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v, block_sizes=(Br, Bc),
-                                                      kernel="ref"), reps=reps)
-        out[key] = {"Br": Br, "Bc": Bc, "ms": ms, "count_matches": traffic == want}
-        print(f"  {key}: {ms:.2f} ms, instrumented count == fs.count: {traffic == want}")
-    for B in BLOCKS:   # FlashAttention-1, the paper's own kernel: its schedule on the GPU
-        Br, Bc = SERIES["flash1"][1](B)
-        key = f"flash1:{Br}x{Bc}"
-        try:
-            _, _, traffic = fs.gpu.attention(q, k, v, block_sizes=(Br, Bc), count_io=True,
-                                             algorithm="flash1")
-        except ValueError as e:
-            out[key] = {"Br": Br, "Bc": Bc, "ms": None, "error": str(e)}
-            print(f"  {key}: does not fit ({str(e)[:90]})")
-            continue
-        want = fs.count("flash1", Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS),
-                        block_sizes=(Br, Bc))
-        ms = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v, block_sizes=(Br, Bc),
-                                                      algorithm="flash1"),
-                         warmup=min(3, reps), reps=reps)
+        want = fs.count(alg, Nq=N, Nk=N, d=D, batch_shape=(batch, HEADS), block_sizes=(Br, Bc))
+        ms = C.cuda_time(cp, lambda: fs.gpu.attention(q, k, v, **kw), warmup=min(3, reps),
+                         reps=reps)
         out[key] = {"Br": Br, "Bc": Bc, "ms": ms, "count_matches": traffic == want,
-                    "algorithm": "flash1"}
+                    "algorithm": alg}
         print(f"  {key}: {ms:.2f} ms, instrumented count == fs.count: {traffic == want}")
     try:   # the tensor-core kernel, for scale (it runs its own fixed tiles)
         fs.gpu.attention(q, k, v, kernel="tc")

@@ -121,6 +121,22 @@ template <typename A> struct Scores {
     }
 };
 
+// -- the reference forwards' scores tile (flash2_ref.cu, flash1_ref.cu) ---------------
+// S_ij = score(scale · Q_i K_jᵀ) inside the band, −∞ outside it, into sS (row stride Bc),
+// for the Q tile of `rows` rows from row i0 and the K tile of `cols` keys from key j0.
+template <typename A>
+__device__ void ref_scores_tile(const A* sQ, const A* sK, A* sS, int rows, int cols, int d,
+                                int Bc, int i0, int j0, const Band& band,
+                                const Scores<A>& score, A scale) {
+    for (int x = threadIdx.x; x < rows * cols; x += blockDim.x) {
+        const int r = x / cols, c = x % cols;
+        A s = A(0);
+        for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
+        sS[r * Bc + c] = band.sees(i0 + r, j0 + c) ? score(s * scale, i0 + r, j0 + c)
+                                                    : neg_inf<A>();
+    }
+}
+
 // -- one step of the reference backward (flash2_ref.cu, flash1_ref.cu) -----------------
 // For the Q tile of `rows` rows from row i0 against the K/V tile of `cols` keys from key
 // j0, all in shared memory: P = exp(S − m) (times 1/ℓ per row where sl is given: flash1's

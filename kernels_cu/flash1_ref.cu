@@ -85,13 +85,8 @@ __global__ void flash1_fwd(const T* __restrict__ Q, const T* __restrict__ K,
             COUNT_IO(io, IO_m_R, (long long)rows * 4);                // HBM→SRAM: m_i (Br)
             __syncthreads();
 
-            for (int x = tid; x < rows * cols; x += nt) {             // S_ij = scale · Q_i K_jᵀ
-                const int r = x / cols, c = x % cols;
-                A s = A(0);
-                for (int k = 0; k < d; ++k) s += sQ[r * d + k] * sK[c * d + k];
-                sS[r * Bc + c] = band.sees(i0 + r, j0 + c) ? score(s * scale, i0 + r, j0 + c)
-                                                            : neg_inf<A>();
-            }
+            // S_ij = scale · Q_i K_jᵀ, the variants, the band (common.cuh)
+            ref_scores_tile(sQ, sK, sS, rows, cols, d, Bc, i0, j0, band, score, scale);
             __syncthreads();
 
             for (int r = tid; r < rows; r += nt) {                    // the statistics, per row

@@ -147,22 +147,9 @@ def _asked(window, softcap, alibi_slopes) -> str | None:
 
 
 def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int, int]:
-    limit = dev.smem_limit()
-    if block_sizes is None:
-        return K.default_block_sizes(shape.d, shape.dv, dtype, limit, backward)
-    try:
-        Br, Bc = (int(x) for x in block_sizes)
-    except (TypeError, ValueError):
-        raise TypeError(f"block_sizes must be a pair (Br, Bc), got {block_sizes!r}") from None
-    if Br < 1 or Bc < 1:
-        raise ValueError(f"block sizes must be >= 1, got {(Br, Bc)}")
-    kernel = "flash2_bwd_main" if backward else "flash2_fwd"
-    need = K.smem_bytes(kernel, Br, Bc, shape.d, shape.dv, dtype)
-    if need > limit:
-        raise ValueError(f"{kernel} with Br={Br}, Bc={Bc}, d={shape.d}, dv={shape.dv} "
-                         f"({dtype}) needs {need} bytes of shared memory; this device allows "
-                         f"{limit}. Use smaller block_sizes.")
-    return Br, Bc
+    """The reference flash2 kernels' (Br, Bc): ``block_sizes`` checked against the
+    device's shared memory, or the largest square tile that fits."""
+    return algorithms.tiles(block_sizes, shape, dtype, "flash2", backward)
 
 
 def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=None,
