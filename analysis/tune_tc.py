@@ -63,7 +63,7 @@ def forward(cp, src, D, N, variants, reps, rng):
         io = cp.zeros(16, cp.uint64)
         args = (q, k, v, kv_index, O, L, np.int32(N), np.int32(N), np.int32(-1),
                 np.int32(-1), np.float32(math.log2(math.e) / math.sqrt(D)),
-                *_no_variants(src), io)
+                *_no_variants(src), *_no_table(src), io)
         grid = (-(-N // Br), B * H)
 
         def run():
@@ -77,15 +77,21 @@ def forward(cp, src, D, N, variants, reps, rng):
 
 
 def _plain(src: str) -> str:
-    """The plain instance's last template argument, in a source whose kernels have the
-    VAR (softcap/ALiBi) argument; nothing in an older one."""
-    return ", false" if "bool VAR" in src else ""
+    """The plain instance's last template arguments, in a source whose kernels have the
+    VAR (softcap/ALiBi) and VL (varlen) arguments; fewer in an older one."""
+    return ", false, false" if "bool VL" in src else ", false" if "bool VAR" in src else ""
 
 
 def _no_variants(src: str) -> tuple:
     """No softcap or ALiBi constants (k_in, k_out, slopes), for a source whose kernels take
     them (the plain instance reads none)."""
     return (np.float32(0), np.float32(0), np.uint64(0)) if "bool VAR" in src else ()
+
+
+def _no_table(src: str) -> tuple:
+    """No varlen table (vl), for a source whose kernels take it (the dense instance
+    reads none)."""
+    return (np.uint64(0),) if "bool VL" in src else ()
 
 
 def backward(cp, sources, D, N, variants, reps, rng):
@@ -121,7 +127,7 @@ def backward(cp, sources, D, N, variants, reps, rng):
             dK, dV = cp.empty_like(k), cp.empty_like(v)
             args = (q, k, v, kv_index, do, lse, D_, dQacc, dK, dV, np.int32(N), np.int32(N),
                     np.int32(-1), np.int32(-1), scale, *_no_variants(text), np.uint64(0),
-                    cp.zeros(16, cp.uint64))
+                    *_no_table(text), cp.zeros(16, cp.uint64))
             grid = (-(-N // Bc), P)
 
             def run():

@@ -34,6 +34,7 @@ SOURCES = {
     "standard_ref.cu": ("standard_fwd_scores", "standard_fwd_softmax", "standard_fwd_out",
                         "standard_bwd_dv", "standard_bwd_dp", "standard_bwd_ds",
                         "standard_bwd_dq", "standard_bwd_dk"),
+    "square_ref.cu": ("square_fwd_scores", "square_fwd_out"),
     "splitkv_tc.cu": ("kvcache_append", "splitkv_fwd_tc_m16", "splitkv_fwd_tc_m32",
                       "splitkv_fwd_tc_m64"),
 }
@@ -191,6 +192,7 @@ ALGORITHM_GRIDS = {
     "standard_fwd_scores": "q", "standard_fwd_softmax": "row", "standard_fwd_out": "q",
     "standard_bwd_dv": "kv", "standard_bwd_dp": "q", "standard_bwd_ds": "row",
     "standard_bwd_dq": "q", "standard_bwd_dk": "kv",
+    "square_fwd_scores": "q", "square_fwd_out": "q",
 }
 
 
@@ -221,20 +223,20 @@ def threads(kernel: str, d: int, cc: int) -> int:
 
 
 # Registers per thread of the fast (not instrumented) builds, the most over the dtypes
-# (and the plain and softcap/ALiBi instances) each kernel is built for, as ptxas reports them (`flashsim kernels build`); they set
+# (and the plain, softcap/ALiBi and varlen instances) each kernel is built for, as ptxas reports them (`flashsim kernels build`); they set
 # how many CTAs an SM holds. tests/test_kernels.py rebuilds and checks the occupancy
 # they give against every instance's own count.
 REGISTERS = {
     "sm_90": {"flash2_fwd": 78, "flash2_bwd_preprocess": 32, "flash2_bwd_main": 104,
               "flash2_bwd_postprocess": 18, "flash2_fwd_tc": {64: 255, 128: 255},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 121, 128: 228}, "kvcache_append": 32,
+              "flash2_fwd_wg": {64: 128, 128: 222}, "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 80, "flash2_bwd_preprocess": 30, "flash2_bwd_main": 89,
-              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 254, 128: 196},
-              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 221, 128: 240},
-              "flash2_bwd_tc_det": {64: 228, 128: 244}, "kvcache_append": 34,
+              "flash2_bwd_postprocess": 12, "flash2_fwd_tc": {64: 255, 128: 196},
+              "flash2_bwd_preprocess_tc": 29, "flash2_bwd_tc": {64: 230, 128: 246},
+              "flash2_bwd_tc_det": {64: 234, 128: 244}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 143, 128: 187},
               "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
 }
@@ -266,8 +268,10 @@ def ctas_per_sm(*, threads: int, registers: int, smem: int, regs_per_sm: int = 6
 class Instance:
     """One template instance: its source, kernel, dtype, head dim (tensor-core rung
     only), the NVRTC name expression and the start of its mangled name. ``variant``:
-    the instance that also runs softcap and ALiBi (the mma.sync rung's VAR = true; the
-    plain one keeps the registers it has without them)."""
+    the instance that also runs softcap and ALiBi (the fast rungs' VAR = true; the
+    plain one keeps the registers it has without them). ``varlen``: the instance that
+    walks a packed varlen batch's table of tiles (VL = true; always with VAR, whose
+    constants make softcap and ALiBi no-ops when absent)."""
     source: str
     kernel: str
     dtype: str
@@ -275,10 +279,13 @@ class Instance:
     expr: str
     mangled: str
     variant: bool = False
+    varlen: bool = False
 
 
-# kernels with a VAR template argument (softcap and ALiBi): a plain and a variant instance
+# kernels with VAR (softcap and ALiBi) and VL (packed varlen batches) template arguments:
+# a plain instance, a variant one, and a varlen one that runs the variants too
 VARIANT_KERNELS = ("flash2_fwd_tc", "flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_fwd_wg")
+VARIANT_FLAGS = ((False, False), (True, False), (True, True))   # (VAR, VL)
 
 
 _MANGLED_T = {"float16": "6__half", "bfloat16": "13__nv_bfloat16", "float32": "f",
@@ -303,10 +310,11 @@ def instances(source: str | None = None) -> list[Instance]:
                             out.append(Instance(src, k, dt, D, f"{k}<{T}, {D}>",
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
-                        for var in (False, True):
-                            out.append(Instance(src, k, dt, D,
-                                                f"{k}<{T}, {D}, {str(var).lower()}>",
-                                                f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(var)}EE", var))
+                        for var, vl in VARIANT_FLAGS:
+                            out.append(Instance(
+                                src, k, dt, D,
+                                f"{k}<{T}, {D}, {str(var).lower()}, {str(vl).lower()}>",
+                                f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(var)}ELb{int(vl)}EE", var, vl))
             else:
                 for dt in CUDA_TYPES:
                     out.append(Instance(src, k, dt, None, f"{k}<{CUDA_TYPES[dt]}>",
@@ -324,13 +332,17 @@ def _splitkv_instance(k: str, dt: str, D: int) -> Instance:
 
 
 @functools.lru_cache(maxsize=None)
-def instance(kernel: str, dtype: str, D: int | None, variant: bool = False) -> Instance:
+def instance(kernel: str, dtype: str, D: int | None, variant: bool = False,
+             varlen: bool = False) -> Instance:
     """The instance of ``kernel`` for this dtype (and head dim, where it is a template
-    argument; and softcap/ALiBi, ``variant``), with its source and NVRTC name expression."""
+    argument; softcap/ALiBi, ``variant``; packed varlen batches, ``varlen``), with its
+    source and NVRTC name expression."""
     for i in instances():
-        if i.kernel == kernel and i.dtype == dtype and i.D == D and i.variant == variant:
+        if (i.kernel == kernel and i.dtype == dtype and i.D == D and i.variant == variant
+                and i.varlen == varlen):
             return i
-    raise KeyError(f"no instance of {kernel} for dtype={dtype}, D={D}, variant={variant}")
+    raise KeyError(f"no instance of {kernel} for dtype={dtype}, D={D}, variant={variant}, "
+                   f"varlen={varlen}")
 
 
 def kernel_dir() -> Path:
@@ -398,6 +410,10 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         n = d if kernel in ("standard_bwd_dq", "standard_bwd_dk") else dv
         held, streamed = (Br, Bc) if kernel in ("standard_fwd_out", "standard_bwd_dq") else (Bc, Br)
         return (held * n + Br * Bc + streamed * n) * a   # the output tile, X_ij, the other operand
+    if kernel == "square_fwd_scores":   # S_ij (B×B, Br = Bc = B), Q_i[:, c], K_j[:, c]; m̃
+        return (Br * Br + 2 * Br * min(Br, d) + Br) * a
+    if kernel == "square_fwd_out":      # E_ij, V_j[:, c], O_i[:, c]; m, ℓ, m̃ and two weights
+        return (Br * Br + 2 * Br * min(Br, dv) + 5 * Br) * a
     if kernel.startswith("splitkv_fwd_tc_m"):
         # Q_i; K_j, V_j in STAGES; staged page ids; each key group's m, ℓ and weight
         # per row (the merge's O reuses the K/V stages)
@@ -416,6 +432,7 @@ ALGORITHM_KERNELS = {
     ("standard", False): ("standard_fwd_scores", "standard_fwd_out"),
     ("standard", True): ("standard_fwd_scores", "standard_bwd_dv", "standard_bwd_dp",
                          "standard_bwd_dq", "standard_bwd_dk"),
+    ("square", False): ("square_fwd_scores", "square_fwd_out"),   # forward only
 }
 # standard attention's row passes hold a row of S, P, dP (a whole row each) in shared
 # memory, in the I/O type, beside one accumulator per thread for their reductions
@@ -459,6 +476,7 @@ class BuildRow:
     spill_stores: int
     spill_loads: int
     variant: bool = False
+    varlen: bool = False
 
 
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
@@ -515,15 +533,16 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
 
 
 def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:
-    names = {i.mangled: (i.kernel, i.dtype, i.D, i.variant) for i in instances(source)}
+    names = {i.mangled: (i.kernel, i.dtype, i.D, i.variant, i.varlen)
+             for i in instances(source)}
     rows, current, info = [], None, {}
 
     def flush():
         if current is not None:
-            k, dt, D, var = current
+            k, dt, D, var, vl = current
             rows.append(BuildRow(k, dt, D, count_io, info.get("regs", 0), info.get("smem", 0),
                                  info.get("stack", 0), info.get("st", 0), info.get("ld", 0),
-                                 var))
+                                 var, vl))
 
     for line in log.splitlines():
         m = _PTXAS_FUNC.search(line)
@@ -547,9 +566,10 @@ def format_build(rows: list[BuildRow], arch: str) -> str:
             f"{'stack':>7}{'spill st/ld':>13}")
     lines = [f"kernels built for {arch} (dynamic shared memory is sized per launch)", head,
              "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.variant, r.dtype, r.D or 0)):
+    for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.variant, r.varlen,
+                                         r.dtype, r.D or 0)):
         build_kind = "instrumented" if r.instrumented else "fast path"
-        name = r.kernel + (" +var" if r.variant else "")
+        name = r.kernel + (" +varlen" if r.varlen else " +var" if r.variant else "")
         lines.append(f"{name:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
                      f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}")
     built = {r.kernel for r in rows}

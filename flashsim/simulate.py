@@ -21,7 +21,7 @@ from .traffic import Traffic
 
 NEG_INF = -np.inf
 # the algorithms the GPU runs, whose kernels precision="kernel" reproduces
-KERNEL_PRECISION = ("standard", "flash1", "flash2")
+KERNEL_PRECISION = ("standard", "flash1", "flash2", "square")
 
 
 @dataclass(frozen=True)

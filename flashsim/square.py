@@ -69,6 +69,7 @@ from math import isqrt, sqrt
 import numpy as np
 
 from .memory import Machine
+from .precision import EXACT, Precision
 from .problem import STAT_BYTES, Shape, canon_batch
 from .tiling import BLOCK_RULES, BlockRule, Tiles, cdiv
 from .traffic import Traffic
@@ -106,16 +107,19 @@ def _chunks(width: int, B: int):
     return [(c0, min(c0 + B, width)) for c0 in range(0, width, B)]
 
 
-def run_square(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores):
+def run_square(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
+               prec: Precision = EXACT):
     """Saha & Ye's square-tile schedule with per-block row maxima; returns (O, L) in
-    the canonical layout, like `simulate._flash2`."""
+    the canonical layout, like `simulate._flash2`. ``prec`` (precision="kernel"): what
+    kernels_cu/square_ref.cu does, E_ij and O stored in the I/O type, m̃_ij and L in fp32,
+    the arithmetic in fp32 (float64 for float64 inputs)."""
     B = _check_square(tiles.Br, tiles.Bc)
     Nq, Nk, d, dv = shape.Nq, shape.Nk, shape.d, shape.dv
     lead = canon_batch(shape)
-    O = np.full(lead + (Nq, dv), np.nan)      # poisoned: every row must be written
-    L = np.full(lead + (Nq,), np.nan)
-    E = np.full(lead + (Nq, Nk), np.nan)      # exp(S − m̃) blocks in HBM
-    Mt = np.full(lead + (tiles.Tc, Nq), np.nan)  # m̃_ij: row j holds block column j
+    O = np.full(lead + (Nq, dv), np.nan, dtype=prec.acc)   # poisoned: every row is written
+    L = np.full(lead + (Nq,), np.nan, dtype=prec.acc)
+    E = np.full(lead + (Nq, Nk), np.nan, dtype=prec.acc)   # exp(S − m̃) blocks in HBM
+    Mt = np.full(lead + (tiles.Tc, Nq), np.nan, dtype=prec.acc)  # m̃_ij: row j, block column j
     jlo, jhi = tiles.kv_ranges()
     d_chunks, dv_chunks = _chunks(d, B), _chunks(dv, B)
 
@@ -137,8 +141,9 @@ def run_square(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores)
             mc.scratch("m~", i1 - i0, stat=True)
             m_t = S.max(axis=-1)                                  # m̃_ij = rowmax(S_ij)
             P = np.exp(S - _safe(m_t)[..., None])                 # E_ij overwrites S_ij
-            mc.store("P", E[..., j0:j1], i0, i1, P)               # SRAM→HBM: E_ij (B·B)
-            mc.store("m", Mt[..., j, :], i0, i1, m_t, stat=True)  # SRAM→HBM: m̃_ij (B)
+            mc.store("P", E[..., j0:j1], i0, i1, prec.io_round(P))  # SRAM→HBM: E_ij (B·B)
+            mc.store("m", Mt[..., j, :], i0, i1, prec.stat_round(m_t),
+                     stat=True)                                   # SRAM→HBM: m̃_ij (B)
             mc.free("S", "m~")
 
     # -- phase 2: O_i[:, c] = softmax(S_i) V[:, c], rescaled online over j -----------
@@ -150,7 +155,9 @@ def run_square(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores)
             mc.scratch("m", n, stat=True)
             mc.scratch("l", n, stat=True)
             mc.scratch("m_new", n, stat=True)
-            Oc, mi, li = 0.0, np.full(lead + (n,), NEG_INF), np.zeros(lead + (n,))
+            Oc = prec.acc(0.0)
+            mi = np.full(lead + (n,), NEG_INF, dtype=prec.acc)
+            li = np.zeros(lead + (n,), dtype=prec.acc)
             for j in range(jlo[i], jhi[i] + 1):
                 j0, j1 = j * B, min((j + 1) * B, Nk)
                 Pj = mc.load("P", E[..., j0:j1], i0, i1)          # HBM→SRAM: E_ij (B·B)
@@ -166,11 +173,12 @@ def run_square(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores)
                 mc.free("P", "m~", "V")
             seen = li > 0
             Oc = np.broadcast_to(Oc / np.where(seen, li, 1.0)[..., None], lead + (n, c1 - c0))
-            mc.store("O", O[..., c0:c1], i0, i1, Oc)              # SRAM→HBM: O_i[:, c] (B·|c|)
+            mc.store("O", O[..., c0:c1], i0, i1, prec.io_round(Oc))  # SRAM→HBM: O_i[:, c] (B·|c|)
             if c1 == dv:
                 with np.errstate(divide="ignore"):
                     Li = np.where(seen, mi + np.log(np.where(seen, li, 1.0)), NEG_INF)
-                mc.store("L", L, i0, i1, Li, stat=True)           # SRAM→HBM: L_i = m + log ℓ (B)
+                mc.store("L", L, i0, i1, prec.stat_round(Li),
+                         stat=True)                               # SRAM→HBM: L_i = m + log ℓ (B)
             mc.free("O", "m", "l", "m_new")
     return O, L
 

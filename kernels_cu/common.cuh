@@ -81,7 +81,8 @@ struct Band {
 // at cu_q[b], cu_k[b] within each problem, and blockIdx.x walks only real tiles:
 //   vl = [B, cu_q[0..B], cu_k[0..B], cu_t[0..B], (b, tile) per blockIdx.x]
 // cu_t counts the launch's Q tiles (of Br rows) per sequence, cumulatively: the
-// deterministic backward's turn counters are indexed by it.
+// deterministic backward's turn counters are indexed by it. The reference kernels take
+// a null or real table at run time; the fast rungs have a VL instance (seq_at below).
 struct Seq {
     long long q0, k0;   // first row of the sequence in each problem's Q (O, L) and K (V)
     int Nq, Nk;         // its lengths
@@ -98,6 +99,12 @@ __device__ __forceinline__ Seq seq_of(const int* vl, unsigned x, int Nq, int Nk,
     const int b = cu_t[B + 1 + 2 * x], tile = cu_t[B + 2 + 2 * x];
     return Seq{cu_q[b], cu_k[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], tile, b,
                cu_t[b], cu_t[B]};
+}
+// The fast rungs' form: VL a template argument, so that their dense instances see a
+// null table and fold seq_of to the launch's own Nq, Nk (their code is unchanged by it)
+template <bool VL>
+__device__ __forceinline__ Seq seq_at(const int* vl, unsigned x, int Nq, int Nk, int Br) {
+    return seq_of(VL ? vl : nullptr, x, Nq, Nk, Br);
 }
 
 // -- the variants' scores -----------------------------------------------------------

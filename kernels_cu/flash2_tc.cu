@@ -2,7 +2,7 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
 //                        tiles Br × Bc = 128 × 128 (D = 64), 128 × 64 (D = 128; and on
 //                        Ampere at D = 64). Adds over
 //                        flash2_fwd (the reference):
@@ -21,13 +21,14 @@
 //                        - exp2 (one MUFU.EX2) with scale·log2(e) folded into one FMA,
 //                          deferred normalisation, ℓ kept per thread until the end;
 //                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
-//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D, VAR>  the backward (below); the
+//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D, VAR, VL>  the backward (below); the
 //                        post-pass is the reference's flash2_bwd_postprocess;
-//                        flash2_bwd_tc_det<T, D> the same in deterministic mode.
-// Every kernel but the pre-pass has a VAR template argument: VAR = true is the instance
-// for softcap and ALiBi (tensor_core.cuh's VarScores finish S in log2 units before the
-// mask; the backward multiplies dS by 1 − tanh²); the plain instance is unchanged by it.
-// Windows run on both (the band). Counts its traffic like the reference under
+//                        flash2_bwd_tc_det<T, D, VAR, VL> the same in deterministic mode.
+// Every kernel but the pre-pass has VAR and VL template arguments: VAR = true is the
+// instance for softcap and ALiBi (tensor_core.cuh's VarScores finish S in log2 units
+// before the mask; the backward multiplies dS by 1 − tanh²); VL = true (built with VAR)
+// runs a packed varlen batch, walking common.cuh's table of real tiles (seq_at) as the
+// reference does; the plain instance is unchanged by either. Windows run on all (the band). Counts its traffic like the reference under
 // -DFLASHSIM_COUNT_IO. Runs in the CPU emulation too (host_emu.h): mma.sync, ldmatrix
 // and the special registers have host forms in warp.cuh and tensor_core.cuh.
 
@@ -133,12 +134,13 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
 
 }  // namespace tc
 
-template <typename T, int D, bool VAR>
+template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int left, int right, float scale_log2, float k_in, float k_out,
-              const float* __restrict__ slopes, unsigned long long* io) {
+              const float* __restrict__ slopes, const int* __restrict__ vl,
+              unsigned long long* io) {
     using namespace tc;
     // each warp owns MT m-tiles of 16 query rows: every K/V fragment it loads feeds MT MMAs
     constexpr int MT = mtiles<D>(), RW = 16 * MT;
@@ -151,31 +153,40 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;         // MMA group and thread in group
     // the last Q tiles first: under a causal mask they see the most keys, and a long CTA
-    // started last would run alone at the end of the grid
-    const int i = gridDim.x - 1 - blockIdx.x, p = blockIdx.y;
-    const int i0 = i * Br, rows = min(Br, Nq - i0);
-    const long long q_row = (long long)p * Nq + i0;
+    // started last would run alone at the end of the grid. VL (a packed varlen batch):
+    // the tile is sequence sq.b's, whose rows start at sq.q0 (sq.k0) within Q's (K's)
+    // problem p, of Nq (Nk) rows; nq, nk are the sequence's lengths (dense: Nq, Nk)
+    const int p = blockIdx.y;
+    const Seq sq = seq_at<VL>(vl, gridDim.x - 1 - blockIdx.x, Nq, Nk, Br);
+    const int i = sq.tile, nq = sq.Nq, nk = sq.Nk;
+    const int i0 = i * Br, rows = min(Br, nq - i0);
+    const long long q_row = (long long)p * Nq + sq.q0 + i0;
     const long long kv = kv_index[p];
-    const long long kv_off = kv * Nk * D;           // K_p and V_p start here (one register pair)
-    const Band band{left, right, Nk - Nq};
+    const long long kv_off = (kv * Nk + sq.k0) * D; // K_p and V_p start here (one register pair)
+    const Band band{left, right, nk - nq};
     int jlo, jhi;
-    band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+    band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
     // VAR (the instance for softcap and ALiBi): S is finished elementwise in log2 units
     // (VarScores), and the exponent's multiplier is then 1 instead of scale·log2(e). A
     // template argument, not a run-time test, so the plain instance keeps every register
     // it had (a run-time branch made it spill)
     const float sl2 = VAR ? 1.f : scale_log2;
+    // VL: inside the loop the sequence's key count is read from shared memory (again
+    // after each barrier); held in a register it made the d = 128 instance spill. Dense:
+    // the parameter Nk. Written before the barrier that follows Q's load.
+    __shared__ int s_nk;
+    if (VL && threadIdx.x == 0) s_nk = nk;
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         fwd_tile_unseen<T, D, 32 * warps<D>()>(O, L, q_row, rows, io);
         return;
     }
-    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, Nk);
+    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
 
     load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
     cp_async_commit();
     {
-        const int j0 = jlo * Bc, cols = min(Bc, Nk - j0);
+        const int j0 = jlo * Bc, cols = min(Bc, nk - j0);
         load_tile<T, D, Bc, 32 * warps<D>()>(sK, K + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
         load_tile<T, D, Bc, 32 * warps<D>()>(sV, V + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
         cp_async_commit();
@@ -215,7 +226,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         const int buf = (j - jlo) & 1;
         // stream tile j+1 into the other buffer behind tile j
         auto prefetch = [&]() {
-            const int j0n = (j + 1) * Bc, colsn = min(Bc, Nk - j0n);
+            const int j0n = (j + 1) * Bc, colsn = min(Bc, (VL ? s_nk : Nk) - j0n);
             load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, K + kv_off + (long long)j0n * D, colsn);
             load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, V + kv_off + (long long)j0n * D, colsn);
             cp_async_commit();
@@ -261,9 +272,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
         const int j0 = j * Bc;
         if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
-            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f};
+            // slopes: one per problem, or (VL) per (sequence, problem)
+            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
             // dist = r + (Nk − Nq) − c: one base per tile, immediates per element
-            const int dist0 = i0 + warp * RW + g + (Nk - Nq) - j0 - tig * 2;
+            const int dist0 = i0 + warp * RW + g + (nk - nq) - j0 - tig * 2;
 #pragma unroll
             for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -275,7 +287,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                     }
         }
         // mask ragged keys and the band, elementwise, only where the tile needs it
-        const bool ragged = j0 + Bc > Nk;
+        const bool ragged = j0 + Bc > (VL ? s_nk : Nk);
         const bool partial = ragged || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
                              || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
         unsigned pf[MT][Bc / 16][4];                 // P as the A operand of P V
@@ -289,7 +301,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                     for (int e = 0; e < 4; ++e) {
                         const int c = j0 + t * 8 + tig * 2 + (e & 1);
                         const int r = i0 + (e < 2 ? r0 : r1);
-                        if (c >= Nk || !band.sees(r, c)) s[mi][t][e] = neg_inf<float>();
+                        if (c >= (VL ? s_nk : Nk) || !band.sees(r, c)) s[mi][t][e] = neg_inf<float>();
                     }
             }
             // online softmax in the log2 domain: p = 2^(s·scale·log2e − m)
@@ -354,8 +366,9 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const unsigned tid_end = opaque_tid(), bx = opaque_ctaid_x(), by = opaque_ctaid_y();
     const unsigned nbx = opaque_nctaid_x();
     const int row_end = (tid_end >> 5) * RW + ((tid_end & 31) >> 2);
-    const int i0e = (int)(nbx - 1 - bx) * Br, rows_e = min(Br, Nq - i0e);
-    const long long q_row_e = (long long)by * Nq + i0e;
+    const Seq se = seq_at<VL>(vl, nbx - 1 - bx, Nq, Nk, Br);
+    const int i0e = se.tile * Br, rows_e = min(Br, se.Nq - i0e);
+    const long long q_row_e = (long long)by * Nq + se.q0 + i0e;
     T* Oi = O + q_row_e * D;
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
@@ -432,14 +445,15 @@ __device__ __forceinline__ void add2(float* x, float a, float b) {
 // (flash2_bwd_tc), DET = true in turns (flash2_bwd_tc_det, sem given). Two kernels, not a
 // run-time branch on sem: the unordered kernel carries none of the turns' bookkeeping,
 // and with j chosen at run time ptxas spilled at D = 128.
-template <typename T, int D, bool DET, bool VAR>
+template <typename T, int D, bool DET, bool VAR, bool VL>
 __device__ __forceinline__ void
 bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
        const int* __restrict__ kv_index, const T* __restrict__ dO,
        const float* __restrict__ L, const float* __restrict__ Dv,
        float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
        int Nq, int Nk, int left, int right, float scale, float k_in, float k_out,
-       const float* __restrict__ slopes, int* __restrict__ sem, unsigned long long* io) {
+       const float* __restrict__ slopes, int* __restrict__ sem, const int* __restrict__ vl,
+       unsigned long long* io) {
     using namespace tc;
     constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
     constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
@@ -469,14 +483,19 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     // step one step ahead of tile j, so the turns rarely wait. In increasing j each
     // tile waited at every step for the one before it, a chain back to tile 0, the
     // longest: causal ran 2x slower than with atomics (NOTES.md, v6).
-    const int j = DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, p = blockIdx.y;
-    const int j0 = j * Bc, cols = min(Bc, Nk - j0);
+    // VL (a packed varlen batch): the K/V tile is sequence sq.b's, its rows from sq.q0
+    // (sq.k0) within Q's (K's) problem p of Nq (Nk) rows; nq, nk its lengths (dense: Nq,
+    // Nk); its Q steps' turn counters start at sq.t0 of sq.tiles per problem
+    const int p = blockIdx.y;
+    const Seq sq = seq_at<VL>(vl, DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, Nq, Nk, BrB);
+    const int j = sq.tile, nq = sq.Nq, nk = sq.Nk;
+    const int j0 = j * Bc, cols = min(Bc, nk - j0);
     const long long kv = kv_index[p];
-    const Band band{left, right, Nk - Nq};
+    const Band band{left, right, nk - nq};
     // VAR (softcap and ALiBi): P from the finished scores, and dS through the softcap's
     // derivative 1 − tanh² (the scale is applied to dQ and dK at the end, as without)
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
-    band.q_range(j0, j0 + cols, Nq, BrB, &ilo, &ihi);
+    band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
     const int k0 = wk * 32 + g;                   // this thread's keys: k0 + {0, 8, 16, 24}
     // per-thread bases of the ldmatrix addresses (swz_base, or plain for the padded Pᵀ
     // and dSᵀ). Offsets a warp adds at run time (its key group, its half) go into the
@@ -506,8 +525,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             for (int e = 0; e < 4; ++e) dv[mt][t][e] = dk[mt][t][e] = 0.f;
 
     auto load_q_step = [&](int i, int buf) {
-        const int i0 = i * BrB, rows = min(BrB, Nq - i0);
-        const long long q_row = (long long)p * Nq + i0;
+        const int i0 = i * BrB, rows = min(BrB, nq - i0);
+        const long long q_row = (long long)p * Nq + sq.q0 + i0;
         load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Q + q_row * D, rows);
         load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dO + q_row * D, rows);
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
@@ -521,14 +540,14 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     };
 
     if (ihi >= ilo) {
-        load_tile<T, D, Bc, THREADS>(sK, K + (kv * Nk + j0) * D, cols);
-        load_tile<T, D, Bc, THREADS>(sV, V + (kv * Nk + j0) * D, cols);
+        load_tile<T, D, Bc, THREADS>(sK, K + (kv * Nk + sq.k0 + j0) * D, cols);
+        load_tile<T, D, Bc, THREADS>(sV, V + (kv * Nk + sq.k0 + j0) * D, cols);
         cp_async_commit();
         load_q_step(ilo, 0);
     }
     for (int i = ilo; i <= ihi; ++i) {
         const int buf = (i - ilo) & 1;
-        const int i0 = i * BrB, rows = min(BrB, Nq - i0);
+        const int i0 = i * BrB, rows = min(BrB, nq - i0);
         // once every warp is past this barrier, step i's tiles have landed and no warp
         // still reads buffer buf ^ 1 (step i − 1), Pᵀ or dSᵀ, so step i + 1 may stream in
         cp_async_wait<0>();
@@ -585,8 +604,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             VarScores vs{};
             int dist0 = 0;
             if constexpr (VAR) {
-                vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f};
-                dist0 = i0 + wh * (BrB / 2) + tig * 2 + (Nk - Nq) - j0 - k0;
+                vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
+                dist0 = i0 + wh * (BrB / 2) + tig * 2 + (nk - nq) - j0 - k0;
             }
 #pragma unroll
             for (int t = 0; t < QN; ++t) {
@@ -608,7 +627,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
                         } else {
                             pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
                         }
-                        if (partial && (key >= Nk || !band.sees(q, key))) pv[e] = 0.f;
+                        if (partial && (key >= nk || !band.sees(q, key))) pv[e] = 0.f;
                         dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x)) * dcap;
                     }
                     T* pr = sP + (k0 + mt * 16) * SPS + qc;
@@ -658,12 +677,16 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
         // 3. dQ_i += scale · dS K_j: m = the warp's 32 queries, n = its D/(8/WQ) columns,
         //    k = Bc keys (.trans: dS from dSᵀ, K_j's rows are keys)
         {
-            const long long q_row = (long long)p * Nq + i0;
+            const long long q_row = (long long)p * Nq + sq.q0 + i0;
             int* turn = sem + ((long long)p * ((Nq + BrB - 1) / BrB) + i);
+            if constexpr (DET && VL) {   // the turns of the sequence's Q tiles, per problem
+                const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
+                turn = sem + ((long long)p * st.tiles + st.t0 + i);
+            }
             int mine = 0;                                     // visiting tiles after j
             if constexpr (DET) {
                 int jlo, jhi;
-                band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+                band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
                 mine = jhi - j;
             }
             float dq[2][DQ][4];
@@ -705,7 +728,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     // registers): K_j, V_j once, and per visited step i = ilo..ihi (the last cut at Nq)
     // Q_i, dO_i, L_i, D_i in and dQacc_i in and out
     if (ihi >= ilo) {
-        const long long q_rows = min(Nq, (ihi + 1) * BrB) - ilo * BrB;
+        const long long q_rows = min(nq, (ihi + 1) * BrB) - ilo * BrB;
         COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
         COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
         COUNT_IO(io, IO_Q_R, q_rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
@@ -717,8 +740,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     }
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
-    T* dKj = dK + ((long long)p * Nk + j0) * D;
-    T* dVj = dV + ((long long)p * Nk + j0) * D;
+    T* dKj = dK + ((long long)p * Nk + sq.k0 + j0) * D;
+    T* dVj = dV + ((long long)p * Nk + sq.k0 + j0) * D;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
         const int r0 = k0 + mt * 16, r1 = r0 + 8;
@@ -745,20 +768,20 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
     T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int left, int right,           \
     float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
-    int* __restrict__ sem,                                                                 \
+    int* __restrict__ sem, const int* __restrict__ vl,                                     \
     unsigned long long* io
-#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, k_in, k_out, slopes, sem, io
+#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, k_in, k_out, slopes, sem, vl, io
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
-template <typename T, int D, bool VAR>
+template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc(FLASHSIM_BWD_TC_PARAMS) {
-    bwd_tc<T, D, false, VAR>(FLASHSIM_BWD_TC_ARGS);
+    bwd_tc<T, D, false, VAR, VL>(FLASHSIM_BWD_TC_ARGS);
 }
 
 // dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
-template <typename T, int D, bool VAR>
+template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BWD_TC_PARAMS) {
-    bwd_tc<T, D, true, VAR>(FLASHSIM_BWD_TC_ARGS);
+    bwd_tc<T, D, true, VAR, VL>(FLASHSIM_BWD_TC_ARGS);
 }
 
 // flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the

@@ -1,7 +1,7 @@
 // flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
-//   flash2_fwd_wg<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
 //                        tiles Br × Bc = 128 × 128 (D = 128), 128 × 64 (D = 64, two CTAs
 //                        per SM). Over flash2_fwd_tc it changes how the
 //                        products run:
@@ -25,7 +25,8 @@
 //                          behind step j.
 //                        VAR = true is the instance for softcap and ALiBi (scores
 //                        finished in log2 units by tensor_core.cuh's VarScores before
-//                        the mask); windows run on both instances (the band).
+//                        the mask); VL = true (with VAR) runs a packed varlen batch from
+//                        common.cuh's table of real tiles; windows run on all (the band).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
@@ -182,12 +183,13 @@ FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
 
 }  // namespace wg
 
-template <typename T, int D, bool VAR>
+template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int left, int right, float scale_log2, float k_in, float k_out,
-              const float* __restrict__ slopes, unsigned long long* io) {
+              const float* __restrict__ slopes, const int* __restrict__ vl,
+              unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -201,21 +203,25 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp >> 2;
     const int g = lane >> 2, tig = lane & 3;
-    // the last Q tiles first: under a causal mask they see the most keys
-    const int i = gridDim.x - 1 - blockIdx.x, p = blockIdx.y;
-    const int i0 = i * Br, rows = min(Br, Nq - i0);
-    const long long q_row = (long long)p * Nq + i0;
-    const long long kv_off = (long long)kv_index[p] * Nk * D;
-    const Band band{left, right, Nk - Nq};
+    // the last Q tiles first: under a causal mask they see the most keys. VL (a packed
+    // varlen batch): the tile is sequence sq.b's, its rows from sq.q0 (sq.k0) within Q's
+    // (K's) problem p of Nq (Nk) rows; nq, nk its lengths (dense: Nq, Nk)
+    const int p = blockIdx.y;
+    const Seq sq = seq_at<VL>(vl, gridDim.x - 1 - blockIdx.x, Nq, Nk, Br);
+    const int i = sq.tile, nq = sq.Nq, nk = sq.Nk;
+    const int i0 = i * Br, rows = min(Br, nq - i0);
+    const long long q_row = (long long)p * Nq + sq.q0 + i0;
+    const long long kv_off = ((long long)kv_index[p] * Nk + sq.k0) * D;
+    const Band band{left, right, nk - nq};
     int jlo, jhi;
-    band.kv_range(i0, i0 + rows, Nk, Bc, &jlo, &jhi);
+    band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
     const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         fwd_tile_unseen<T, D, THREADS>(O, L, q_row, rows, io);
         return;
     }
-    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, Nk);
+    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
 
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
@@ -252,8 +258,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // holds row r0 + 8·(e ≥ 2), key 8t + 2·tig + (e & 1) of the tile
         const int j0 = j * Bc;
         if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
-            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[p] : 0.f};
-            const int dist0 = i0 + r0 + (Nk - Nq) - j0 - tig * 2;   // r + off − c, per tile
+            // slopes: one per problem, or (VL) per (sequence, problem)
+            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f};
+            const int dist0 = i0 + r0 + (nk - nq) - j0 - tig * 2;   // r + off − c, per tile
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t)
 #pragma unroll
@@ -262,7 +269,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                     s[4 * t + e] = vs(s[4 * t + e], dist0 + (e < 2 ? 0 : 8) - t * 8 - (e & 1), &th);
                 }
         }
-        const bool partial = j0 + Bc > Nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
+        const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
                              || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
         if (partial) {
 #pragma unroll
@@ -271,7 +278,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 for (int e = 0; e < 4; ++e) {
                     const int c = j0 + t * 8 + tig * 2 + (e & 1);
                     const int r = i0 + r0 + (e < 2 ? 0 : 8);
-                    if (c >= Nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
+                    if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
                 }
         }
         float mx0 = m0, mx1 = m1;
@@ -317,7 +324,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     load_tile<T, D, Br>(sQ, Q + q_row * D, rows);                                  // HBM→SRAM: Q_i (Br·d)
     {
         const int j0 = jlo * Bc;
-        load_tile<T, D, Bc>(sK, K + kv_off + (long long)j0 * D, min(Bc, Nk - j0));   // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc>(sK, K + kv_off + (long long)j0 * D, min(Bc, nk - j0));   // HBM→SRAM: K_j (Bc·d)
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -325,9 +332,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     __syncthreads();
     {
         const int j0 = jlo * Bc;
-        load_tile<T, D, Bc>(sV, V + kv_off + (long long)j0 * D, min(Bc, Nk - j0));   // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc>(sV, V + kv_off + (long long)j0 * D, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
         if (jlo < jhi)
-            load_tile<T, D, Bc>(sK + Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, Nk - j0 - Bc));
+            load_tile<T, D, Bc>(sK + Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, nk - j0 - Bc));
         cp_async_commit();
     }
     wgmma_fence();
@@ -348,9 +355,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                                                      // step j − 2 are read by everyone
         {
             const int j0 = j * Bc;
-            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, V + kv_off + (long long)j0 * D, min(Bc, Nk - j0));   // HBM→SRAM: V_j (Bc·d)
+            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, V + kv_off + (long long)j0 * D, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
             if (j < jhi)                             // HBM→SRAM: K_{j+1} (Bc·d)
-                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, Nk - j0 - Bc));
+                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, nk - j0 - Bc));
             cp_async_commit();
         }
         fence_regs<Bc / 2>(s);

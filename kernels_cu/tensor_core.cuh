@@ -104,6 +104,15 @@ struct VarScores {
     }
 };
 
+// The sequence of this CTA (blockIdx.x, or from the end: ``reversed``) read again from a
+// varlen batch's table (common.cuh's seq_at), for fields used once per step (the slope's
+// sequence, the turn counters): held across a main loop at 255 registers they spilled
+template <bool VL>
+__device__ __forceinline__ Seq seq_again(const int* vl, bool reversed, int Nq, int Nk, int Br) {
+    const unsigned x = opaque_ctaid_x();
+    return seq_at<VL>(vl, reversed ? opaque_nctaid_x() - 1 - x : x, Nq, Nk, Br);
+}
+
 // (lo, hi) rounded to T and packed into one register, lo in the low half: the layout of
 // an MMA operand pair
 template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);

@@ -10,8 +10,8 @@ Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, bot
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
 into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
-(kernels_cu/splitkv_tc.cu), packed varlen batches, and FlashAttention-1 and standard
-attention (flash1_ref.cu, standard_ref.cu).
+(kernels_cu/splitkv_tc.cu), packed varlen batches (every rung), FlashAttention-1,
+standard attention and square tiles (flash1_ref.cu, standard_ref.cu, square_ref.cu).
 """
 
 import sys
@@ -123,12 +123,46 @@ def varlen(rng, n_cases, dtypes):
                                                  block_sizes=(16, 8), count_io=count_io,
                                                  kernel="ref", deterministic=count_io, **var)
                 launches += 4
+    return launches + varlen_fast(rng, n_cases, [t for t in dtypes
+                                                 if t in ("float16", "bfloat16")])
+
+
+def varlen_fast(rng, n_cases, dtypes):
+    """Packed batches on the fast rungs' varlen instances (tc, and auto: wg on sm_90):
+    lengths 0 and 1, sequences longer than a tile, GQA, the variants, both builds, both
+    backward modes."""
+    launches = 0
+    for case in range(n_cases):
+        nq = rng.choice([0, 1, 70, 200], 3)
+        nk = rng.choice([0, 1, 90, 260], 3)
+        cu_q = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(nk)]).astype(np.int32)
+        d, hk, g = (64, 128)[case % 2], 2, (1, 2)[(case // 2) % 2]
+        var = dict(causal=bool(case % 3 == 1),
+                   window=None if case % 3 else (int(rng.integers(0, 100)), -1),
+                   softcap=None if case % 4 == 3 else float(rng.uniform(1, 20)),
+                   alibi_slopes=None if case % 4 == 2 else rng.uniform(0, 0.5, (3, hk * g)))
+        for dtype in dtypes:
+            q = dev(rng.standard_normal((int(cu_q[-1]), hk * g, d)), dtype)
+            k = dev(rng.standard_normal((int(cu_k[-1]), hk, d)), dtype)
+            v = dev(rng.standard_normal((int(cu_k[-1]), hk, d)), dtype)
+            for count_io in (False, True):
+                for kernel in ("tc", "auto"):
+                    out, lse = fs.gpu.attention_varlen(q, k, v, cu_q, cu_k, count_io=count_io,
+                                                       kernel=kernel, **var)[:2]
+                    launches += 1
+                dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
+                fs.gpu.attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k,
+                                                 count_io=count_io, kernel="tc",
+                                                 deterministic=count_io, **var)
+                launches += 3
     return launches
 
 
 def paper_algorithms(rng, n_cases, dtypes):
-    """flash1_ref.cu and standard_ref.cu: ragged sizes, GQA, dv ≠ d, tiles that do not
-    divide N, a window, softcap and ALiBi, both builds, forward and backward."""
+    """flash1_ref.cu, standard_ref.cu and square_ref.cu: ragged sizes, GQA, dv ≠ d, tiles
+    that do not divide N, a window, softcap and ALiBi, both builds, forward and backward
+    (square: forward)."""
     launches = 0
     for case in range(n_cases):
         Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
@@ -150,6 +184,12 @@ def paper_algorithms(rng, n_cases, dtypes):
                     fs.gpu.attention_backward(q, k, v, out, lse, dout, algorithm=algorithm,
                                               block_sizes=blocks, count_io=count_io, **var)
                     launches += 2 if algorithm == "flash1" else 10
+                # square tiles (forward only): B below d and dv too, so both phases chunk
+                for count_io in (False, True):
+                    fs.gpu.attention(q, k, v, algorithm="square", count_io=count_io,
+                                     block_sizes=None if blocks is None else (blocks[1],) * 2,
+                                     **var)
+                    launches += 2
     return launches
 
 

@@ -101,6 +101,15 @@ def test_varlen_matches_each_sequence_and_the_simulators_counts(problem, determi
         G.check_varlen(*problem, deterministic=deterministic)
 
 
+@EMU
+@given(G.varlen_problems(dtypes=TC_DTYPES, max_len=300, head_dims=[64]), st.booleans())
+def test_tensor_core_varlen_matches_each_sequence_and_the_simulators_counts(problem,
+                                                                           deterministic):
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_varlen(*problem, deterministic=deterministic, kernel="tc")
+
+
 def test_varlen_bad_input_gets_the_simulators_errors_before_any_launch(monkeypatch):
     def no_launch(*a, **k):
         raise AssertionError("launched")
@@ -131,7 +140,7 @@ def test_varlen_bad_input_gets_the_simulators_errors_before_any_launch(monkeypat
         call(alibi_slopes=np.ones(3))
     with pytest.raises(ValueError, match="softcap must be > 0"):
         call(softcap=-1.0)
-    with pytest.raises(ValueError, match="reference kernel so far"):
+    with pytest.raises(ValueError, match="tensor-core kernel runs float16/bfloat16"):
         call(kernel="tc")
     with pytest.raises(ValueError, match="packed shape"):
         fs.gpu.attention_varlen_backward(q, k, k, q[:, :, :8], np.zeros((4, 9)), q, cu_q, cu_k)
@@ -245,9 +254,10 @@ def test_variants_backward_match_the_simulator(problem, deterministic):
 
 
 @EMU
-@given(G.algorithm_problems(dtypes=DTYPES, max_seq=100), st.sampled_from(G.PAPER_ALGORITHMS),
+@given(G.algorithm_problems(dtypes=DTYPES, max_seq=100), st.sampled_from(G.FORWARD_ALGORITHMS),
        st.booleans())
-def test_flash1_and_standard_forward_match_the_simulator(problem, algorithm, default_tiles):
+def test_flash1_standard_and_square_forward_match_the_simulator(problem, algorithm,
+                                                                default_tiles):
     with pytest.MonkeyPatch.context() as m:
         G.poison_outputs(m)
         G.check_algorithm_forward(*problem, algorithm, default_tiles)

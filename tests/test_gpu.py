@@ -684,17 +684,19 @@ def assert_grads_near_twin(grads, simk, q, k, v, o, dout, dtype, variants, dq_ro
 # -- FlashAttention-1 and standard attention (the reference rung) ------------------------
 
 PAPER_ALGORITHMS = ("flash1", "standard")
+# forward-only schedules on the reference rung: Saha & Ye's square tiles
+FORWARD_ALGORITHMS = PAPER_ALGORITHMS + ("square",)
 
 
 def algorithm_problems(dtypes=None, max_seq=150):
     """The variants' problems (tiles drawn; windows that cut them or reach past the
-    matrix; softcap with large logits; ALiBi with GQA), for flash1 and standard."""
+    matrix; softcap with large logits; ALiBi with GQA), for flash1, standard, square."""
     return variant_problems(dtypes=dtypes, max_seq=max_seq)
 
 
-@given(algorithm_problems(), st.sampled_from(PAPER_ALGORITHMS), st.booleans())
-def test_flash1_and_standard_forward_match_the_simulator(poisoned, problem, algorithm,
-                                                         default_tiles):
+@given(algorithm_problems(), st.sampled_from(FORWARD_ALGORITHMS), st.booleans())
+def test_flash1_standard_and_square_forward_match_the_simulator(poisoned, problem, algorithm,
+                                                                default_tiles):
     check_algorithm_forward(*problem, algorithm, default_tiles)
 
 
@@ -705,6 +707,8 @@ def test_flash1_and_standard_backward_match_the_simulator(poisoned, problem, alg
 
 def check_algorithm_forward(q, k, v, dtype, blocks, variants, algorithm, default_tiles=False):
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    if algorithm == "square":            # B × B tiles (the drawn Br; B < d and B < dv too)
+        blocks = (blocks[0], blocks[0])
     if default_tiles or not _fits_algorithm(blocks, algorithm, False, q.shape[-1],
                                             v.shape[-1], dtype):
         blocks = None
@@ -724,7 +728,7 @@ def check_algorithm_forward(q, k, v, dtype, blocks, variants, algorithm, default
     assert np.array_equal(np.isneginf(lse), ~fin)              # rows that see no key
     assert (out[~fin] == 0).all()
     # the kernel-precision twin: the same roundings (flash1's O at every step, standard's
-    # S and P in the I/O type), in another order of fp32 sums
+    # S and P, square's E_ij in the I/O type), in another order of fp32 sums
     tol = _variant_tolerance(q, k, dtype, variants, k.shape[-2])
     vmax = max(1.0, np.abs(v).max())
     np.testing.assert_allclose(out, simk.out, rtol=tol, atol=tol * vmax)
@@ -739,6 +743,10 @@ def check_algorithm_forward(q, k, v, dtype, blocks, variants, algorithm, default
         bound = 2 * base + EPS[dtype] * np.abs(sim.out).max(initial=0)
         if algorithm == "flash1":
             bound += -(-k.shape[-2] // used[1]) * (EPS[dtype] / 2 + 2 * EPS["float32"]) * vmax
+        if algorithm == "square":
+            # E_ij stored in the I/O type: each weight e(1 + δ)/Σ e(1 + δ), |δ| ≤ EPS/2,
+            # moves by at most EPS relative, so O (a convex combination of V) by EPS·max|v|
+            bound += EPS[dtype] * vmax
         assert err <= bound, (err, bound)
 
 
@@ -786,28 +794,37 @@ def test_algorithm_is_checked_before_any_launch():
                                   kernel="tc")
     with pytest.raises(ValueError, match="needs .* bytes of shared memory"):
         fs.gpu.attention(q, q, q, algorithm="standard", block_sizes=(4096, 4096))
+    with pytest.raises(ValueError, match="square needs Br == Bc"):
+        fs.gpu.attention(q, q, q, algorithm="square", block_sizes=(4, 2))
+    with pytest.raises(ValueError, match="forward schedule"):
+        fs.gpu.attention_backward(q, q, q, q, np.zeros(4), q, algorithm="square")
+    with pytest.raises(ValueError, match="forward schedule"):
+        fs.gpu.block_sizes(q, q, algorithm="square", backward=True)
 
 
-# -- packed varlen batches (the reference rung) -------------------------------------------
+# -- packed varlen batches -----------------------------------------------------------------
 
 @st.composite
-def varlen_problems(draw, dtypes=None, max_len=70):
+def varlen_problems(draw, dtypes=None, max_len=70, head_dims=None):
     """A packed batch: lengths 0 and 1 among the others, Nq_b ≠ Nk_b, GQA, dv ≠ d, the
-    variants (ALiBi per head or per sequence), tiles that cut the sequences."""
+    variants (ALiBi per head or per sequence), tiles that cut the sequences. With
+    ``head_dims`` (the fast rungs'): d = dv drawn from them, and the rung's own tiles
+    (blocks None)."""
     B = draw(st.integers(0, 4))
     nq = draw(st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_len)),
                        min_size=B, max_size=B))
     nk = draw(st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_len)),
                        min_size=B, max_size=B))
-    d = draw(st.sampled_from([8, 16, 40, 64]))
-    dv = draw(st.sampled_from([d, 24]))
+    d = draw(st.sampled_from(head_dims or [8, 16, 40, 64]))
+    dv = d if head_dims else draw(st.sampled_from([d, 24]))
     dtype = draw(st.sampled_from(dtypes or DTYPES))
     hk, g = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, 30), st.integers(-1, 30))))
     softcap = draw(st.one_of(st.none(), st.floats(0.5, 20.0)))
     alibi = draw(st.sampled_from([None, "heads", "batch"]))
-    blocks = draw(st.tuples(st.sampled_from([8, 16, 32]), st.sampled_from([8, 16, 32])))
+    blocks = None if head_dims else draw(st.tuples(st.sampled_from([8, 16, 32]),
+                                                   st.sampled_from([8, 16, 32])))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rnd = make_precision("kernel", dtype).io_round
     cu_q = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
@@ -825,29 +842,37 @@ def _sequence_slopes(slopes, b):
     return None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
 
 
-def check_varlen(q, k, v, cu_q, cu_k, dtype, blocks, variants, deterministic=True):
+def check_varlen(q, k, v, cu_q, cu_k, dtype, blocks, variants, deterministic=True,
+                 kernel="ref"):
     """The packed launch against (1) the simulator's varlen traffic, byte for byte, and
     (2) the same kernel run on each sequence alone as a dense problem: the same tiles
-    and arithmetic, so out, lse and (deterministic) the gradients are the same bits."""
+    and arithmetic, so out, lse and (deterministic) the gradients are the same bits.
+    ``kernel`` "tc" or "auto" (blocks None): the fast rungs' varlen instance, which is
+    their softcap/ALiBi one, so the dense runs take that instance too (ALiBi slopes of
+    0 where none are given: the same arithmetic as none)."""
     qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    fwd_blocks, bwd_blocks = blocks, blocks
+    if blocks is None:
+        fwd_blocks, bwd_blocks = (fs.gpu.block_sizes(qd, vd, varlen=True, kernel=kernel,
+                                                     backward=b) for b in (False, True))
     out, lse, traffic = fs.gpu.attention_varlen(qd, kd, vd, cu_q, cu_k, block_sizes=blocks,
-                                                count_io=True, kernel="ref", **variants)
+                                                count_io=True, kernel=kernel, **variants)
     o, L = host(out), host(lse)
     assert o.shape == (q.shape[0], q.shape[1], v.shape[2]) and L.shape == (q.shape[1], q.shape[0])
     sim = fs.count_varlen("flash2", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, heads=q.shape[1],
                           kv_heads=k.shape[1], d=q.shape[2], dv=v.shape[2],
-                          block_sizes=blocks, io_dtype=dtype, causal=variants["causal"],
+                          block_sizes=fwd_blocks, io_dtype=dtype, causal=variants["causal"],
                           window=variants["window"])
     assert traffic == sim, traffic.diff(sim)
     rnd = make_precision("kernel", dtype).io_round
     dout = rnd(np.random.default_rng(3).standard_normal(o.shape)).astype(np.float64)
     *grads, gtraffic = fs.gpu.attention_varlen_backward(
         qd, kd, vd, out, lse, dev(dout, dtype), cu_q, cu_k, block_sizes=blocks, count_io=True,
-        kernel="ref", deterministic=deterministic, **variants)
+        kernel=kernel, deterministic=deterministic, **variants)
     grads = [host(x) for x in grads]
     gsim = fs.count_varlen_backward("flash2", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                     heads=q.shape[1], kv_heads=k.shape[1], d=q.shape[2],
-                                    dv=v.shape[2], block_sizes=blocks, io_dtype=dtype,
+                                    dv=v.shape[2], block_sizes=bwd_blocks, io_dtype=dtype,
                                     causal=variants["causal"], window=variants["window"],
                                     softcap=variants["softcap"])
     assert gtraffic == gsim, gtraffic.diff(gsim)
@@ -860,13 +885,16 @@ def check_varlen(q, k, v, cu_q, cu_k, dtype, blocks, variants, deterministic=Tru
             assert (grads[0][sq] == 0).all()
             continue
         heads = lambda x: np.ascontiguousarray(np.moveaxis(x, 0, 1))   # noqa: E731
-        var = dict(variants, alibi_slopes=_sequence_slopes(variants["alibi_slopes"], b))
+        slopes = _sequence_slopes(variants["alibi_slopes"], b)
+        if slopes is None and kernel != "ref":
+            slopes = np.zeros(q.shape[1])
+        var = dict(variants, alibi_slopes=slopes)
         qb, kb, vb = (dev(heads(x[s]), dtype) for x, s in ((q, sq), (k, sk), (v, sk)))
-        ob, Lb = fs.gpu.attention(qb, kb, vb, block_sizes=blocks, kernel="ref", **var)
+        ob, Lb = fs.gpu.attention(qb, kb, vb, block_sizes=blocks, kernel=kernel, **var)
         np.testing.assert_array_equal(heads(o[sq]), host(ob))
         np.testing.assert_array_equal(L[:, sq], host(Lb))
         gb = fs.gpu.attention_backward(qb, kb, vb, ob, Lb, dev(heads(dout[sq]), dtype),
-                                       block_sizes=blocks, kernel="ref",
+                                       block_sizes=blocks, kernel=kernel,
                                        deterministic=True, **var)
         for name, a, want, s in zip(("dq", "dk", "dv"), grads, gb, (sq, sk, sk)):
             got, want = heads(a[s]), host(want)
@@ -879,3 +907,13 @@ def check_varlen(q, k, v, cu_q, cu_k, dtype, blocks, variants, deterministic=Tru
 @given(varlen_problems(), st.booleans())
 def test_varlen_matches_each_sequence_and_the_simulators_counts(poisoned, problem, deterministic):
     check_varlen(*problem, deterministic=deterministic)
+
+
+@given(varlen_problems(dtypes=["float16", "bfloat16"], max_len=400,
+                       head_dims=fs.kernels.TC_HEAD_DIMS), st.booleans(),
+       st.sampled_from(["auto", "tc"]))
+def test_varlen_on_the_fast_rungs_matches_each_sequence_and_the_counts(poisoned, problem,
+                                                                      deterministic, kernel):
+    """kernel="auto": the Hopper forward on 9.0; "tc": the mma.sync one; the tensor-core
+    backward either way."""
+    check_varlen(*problem, deterministic=deterministic, kernel=kernel)

@@ -291,7 +291,8 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
                 continue
             spec = K.LAUNCH_SPECS[name]
             if name in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
-                line = re.search(r"const int j = DET \? gridDim\.x - 1 - blockIdx\.x : blockIdx\.x", body)
+                line = re.search(r"seq_at<VL>\(vl, DET \? gridDim\.x - 1 - blockIdx\.x : "
+                                 r"blockIdx\.x, .*\n\s*const int j = sq\.tile", body)
                 assert line, "the tc backward's j mapping moved"
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
@@ -299,7 +300,10 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
             assert m, name
             after = body[m.end():m.end() + 4000]
             var = "j" if spec.over == "kv" else "i"
-            rev = re.search(rf"const int {var} = gridDim\.x - 1 - blockIdx\.x", after)
+            # the fast rungs' tile comes through their varlen table's seq_at (dense: x)
+            rev = (re.search(rf"const int {var} = gridDim\.x - 1 - blockIdx\.x", after)
+                   or re.search(rf"seq_at<VL>\(vl, gridDim\.x - 1 - blockIdx\.x, .*\n\s*"
+                                rf"const int {var} = sq\.tile", after))
             nat = (re.search(rf"const int {var}0? = blockIdx\.x", after)
                    or re.search(rf"seq_of\(vl, blockIdx\.x, .*\n\s*const int {var} = sq\.tile", after))
             assert (rev is not None) == (spec.order == "reversed"), name
@@ -308,10 +312,11 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
 
 def test_the_other_algorithms_grids_match_their_kernels():
     """kernels.ALGORITHM_GRIDS (what the launcher sizes gridDim.x by) against the blockIdx.x
-    arithmetic of flash1_ref.cu and standard_ref.cu."""
-    want = {"problem": None, "q": r"i0 = blockIdx\.x \* Br", "kv": r"j0 = blockIdx\.x \* Bc",
+    arithmetic of flash1_ref.cu, standard_ref.cu and square_ref.cu (whose square tiles
+    are B = Br = Bc)."""
+    want = {"problem": None, "q": r"i0 = blockIdx\.x \* Br?\b", "kv": r"j0 = blockIdx\.x \* Bc",
             "row": r"(r = blockIdx\.x|\* Nq \+ blockIdx\.x)"}
-    for src in ("flash1_ref.cu", "standard_ref.cu"):
+    for src in ("flash1_ref.cu", "standard_ref.cu", "square_ref.cu"):
         body = (K.kernel_dir() / src).read_text()
         starts = [(m.start(), name) for name in K.SOURCES[src]
                   for m in [re.search(r"__global__ void " + name + r"\(", body)]]

@@ -40,14 +40,16 @@ def built(arch):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles_without_spills(arch):
     rows = built(arch)
-    expected = {(i.kernel, i.dtype, i.D, i.variant, inst) for i in kernels.instances()
-                for inst in (False, True) if kernels.source_arch(i.source, arch)}
-    # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4; tc: 4 × 2 × 2 and
-    # the softcap/ALiBi instances of 3 of them; wg (sm_90a only): 1 × 2 × 2, plain and
-    # softcap/ALiBi; decoding: 4 × 2 × 2
-    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 7 * 4 + (8 if arch == "sm_90" else 0)
-                                 + 4 * 4)
-    assert {(r.kernel, r.dtype, r.D, r.variant, r.instrumented) for r in rows} == expected
+    expected = {(i.kernel, i.dtype, i.D, i.variant, i.varlen, inst)
+                for i in kernels.instances() for inst in (False, True)
+                if kernels.source_arch(i.source, arch)}
+    # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: 4 × 2 × 2 and
+    # the softcap/ALiBi and varlen instances of 3 of them; wg (sm_90a only): 1 × 2 × 2,
+    # plain, softcap/ALiBi and varlen; decoding: 4 × 2 × 2
+    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + 10 * 4
+                                 + (12 if arch == "sm_90" else 0) + 4 * 4)
+    assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
+            for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
     # neither build touches local memory: the instrumented kernels count their traffic
     # where registers are free, so the counters cost no spill either
@@ -81,7 +83,8 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
     from flashsim.hardware import A100, H100
     hw, cc = (H100, 90) if arch == "sm_90" else (A100, 80)
     # flash1 and standard attention are outside the launch model (kernels.ALGORITHM_GRIDS)
-    unmodeled = set(kernels.SOURCES["flash1_ref.cu"] + kernels.SOURCES["standard_ref.cu"])
+    unmodeled = set(kernels.SOURCES["flash1_ref.cu"] + kernels.SOURCES["standard_ref.cu"]
+                    + kernels.SOURCES["square_ref.cu"])
     assert {r.kernel for r in built(arch)} - set(kernels.REGISTERS[arch]) == unmodeled
     for r in built(arch):
         if r.instrumented or r.kernel in unmodeled:

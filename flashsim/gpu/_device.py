@@ -203,14 +203,15 @@ class ArchKernel:
                     stream=cupy().cuda.get_current_stream())
 
 
-def kernel(name: str, dtype: str, count_io: bool, D: int | None = None, variant: bool = False):
-    return kernel_on(name, dtype, count_io, D, cupy().cuda.Device().id, variant)
+def kernel(name: str, dtype: str, count_io: bool, D: int | None = None, variant: bool = False,
+           varlen: bool = False):
+    return kernel_on(name, dtype, count_io, D, cupy().cuda.Device().id, variant, varlen)
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int,
-              variant: bool = False):
-    inst = K.instance(name, dtype, D, variant)
+              variant: bool = False, varlen: bool = False):
+    inst = K.instance(name, dtype, D, variant, varlen)
     return module(inst.source, count_io, device).get_function(inst.expr)
 
 
@@ -245,7 +246,9 @@ def launch(cp, kernel, grid, smem: int, args, threads: int = THREADS):
     if len(grid) > 2 and grid[2] > GRID_Y_MAX:
         raise ValueError(f"{grid[2]} (batch × kv_heads) problems exceed the grid's z limit "
                          f"{GRID_Y_MAX}; split the batch")
-    if smem > 48 * 1024:
+    # past 48 KB a CTA's shared memory (dynamic and the kernel's static, such as the
+    # varlen instances' few bytes) needs the kernel's opt-in
+    if smem + getattr(kernel, "shared_size_bytes", 0) > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     kernel(grid, (threads,), args, shared_mem=smem)
 

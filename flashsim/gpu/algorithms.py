@@ -1,6 +1,7 @@
-"""FlashAttention-1 and standard attention on the GPU: the launchers of flash1_ref.cu and
-standard_ref.cu, reached through ``fs.gpu.attention(..., algorithm="flash1" |
-"standard")`` and `attention_backward`'s same argument.
+"""FlashAttention-1, standard attention and Saha & Ye's square tiles on the GPU: the
+launchers of flash1_ref.cu, standard_ref.cu and square_ref.cu, reached through
+``fs.gpu.attention(..., algorithm="flash1" | "standard" | "square")`` and
+`attention_backward`'s same argument (not "square": a forward schedule).
 
 Both run on the reference rung (SIMT, any dtype, d, dv ≤ 256, any tiles) with the
 simulator's schedules, so that the paper's comparison, standard against FlashAttention-1
@@ -17,6 +18,9 @@ and -2, is timed on hardware with each one's counted bytes beside it:
   (about 100k keys in float16 on an H100). Its backward rebuilds S and P with the
   forward's first two passes, uncounted: they stand for the matrices a standard forward
   leaves in HBM, which Algorithm 3 starts from.
+- square: `flashsim.simulate(..., "square")`'s two phases (flashsim/square.py), B × B
+  tiles (block_sizes=(B, B)): a CTA per Q tile writes E_ij = exp(S_ij − m̃_ij) and m̃_ij
+  to HBM, then a CTA per Q tile streams them with V in chunks of B columns of dv.
 """
 
 from __future__ import annotations
@@ -27,17 +31,21 @@ from .. import kernels as K
 from ..problem import Shape, check_scale
 from . import _arrays as arrays, _device as dev
 
-ALGORITHMS = ("flash2", "flash1", "standard")
+ALGORITHMS = ("flash2", "flash1", "standard", "square")
 
 
-def check_algorithm(algorithm, kernel: str) -> str:
-    """``algorithm`` for `attention`/`attention_backward`: flash2 on any rung, flash1 and
-    standard on the reference rung."""
+def check_algorithm(algorithm, kernel: str, backward: bool = False) -> str:
+    """``algorithm`` for `attention`/`attention_backward`: flash2 on any rung, flash1,
+    standard and (forward only) square on the reference rung."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if algorithm != "flash2" and kernel not in ("auto", "ref"):
         raise ValueError(f"algorithm={algorithm!r} runs on the reference kernels only; use "
                          f"kernel='ref' or 'auto' (got kernel={kernel!r})")
+    if algorithm == "square" and backward:
+        raise ValueError("algorithm='square' is a forward schedule (Saha & Ye's square "
+                         "tiles, forward only, as flashsim.simulate runs it); take the "
+                         "gradients with algorithm='flash2'")
     return algorithm
 
 
@@ -53,6 +61,9 @@ def tiles(block_sizes, shape: Shape, dtype: str, algorithm: str, backward: bool)
         raise TypeError(f"block_sizes must be a pair (Br, Bc), got {block_sizes!r}") from None
     if Br < 1 or Bc < 1:
         raise ValueError(f"block sizes must be >= 1, got {(Br, Bc)}")
+    if algorithm == "square" and Br != Bc:
+        raise ValueError(f"square needs Br == Bc (square B×B tiles), got block_sizes="
+                         f"{(Br, Bc)}; pass block_sizes=(B, B)")
     for name in K.ALGORITHM_KERNELS[(algorithm, backward)]:
         need = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
         if need > limit:
@@ -110,6 +121,21 @@ def forward(q, k, v, *, algorithm, causal, scale, window, softcap, alibi_slopes,
         seen = l > 0
         L = cp.where(seen, m + cp.log(cp.where(seen, l, cp.float32(1))),
                      cp.float32(-np.inf)).astype(cp.float32)
+    elif algorithm == "square":
+        B = Br
+        L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
+        E = arrays.empty(cp, (P, Nq, Nk), st)                     # exp(S_ij − m̃_ij) blocks
+        Mt = arrays.empty(cp, (P, -(-Nk // B), Nq), cp.float32)  # m̃_ij, block column j in row j
+        name = "square_fwd_scores"
+        _launch(cp, name, dtype, count_io, K.grid(name, Nq, Nk, B, B, P),
+                K.smem_bytes(name, B, B, d, dv, dtype),
+                (Q, Kd, kv_index, E, Mt, i32(Nq), i32(Nk), i32(d), i32(B), i32(left),
+                 i32(right), sc, cap, slopes, io))
+        name = "square_fwd_out"
+        _launch(cp, name, dtype, count_io, K.grid(name, Nq, Nk, B, B, P),
+                K.smem_bytes(name, B, B, d, dv, dtype),
+                (Vd, kv_index, E, Mt, O, L, i32(Nq), i32(Nk), i32(dv), i32(B), i32(left),
+                 i32(right), io))
     else:
         L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
         _, Pm = _scores_and_probs(cp, shape, dtype, Q, Kd, kv_index, Br, Bc, left, right, sc,

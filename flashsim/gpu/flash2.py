@@ -153,16 +153,21 @@ def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int,
 
 
 def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=None,
-                softcap=None, alibi_slopes=None, algorithm: str = "flash2") -> tuple[int, int]:
+                softcap=None, alibi_slopes=None, algorithm: str = "flash2",
+                varlen: bool = False) -> tuple[int, int]:
     """The (Br, Bc) the kernels use by default for these inputs (pass them to
     `flashsim.simulate` to predict the kernels' traffic); with a window, softcap or
     ALiBi slopes, those of the rung that runs them; for ``algorithm`` "flash1" or
-    "standard", those of its reference kernels."""
+    "standard", those of its reference kernels; ``varlen=True``: those of
+    `attention_varlen` (q, v packed, (total, heads, d); `flashsim.simulate_varlen`)."""
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
-    if check_algorithm(algorithm, kernel) != "flash2":
+    if check_algorithm(algorithm, kernel, backward) != "flash2":
+        if varlen:
+            raise ValueError("packed varlen batches run algorithm='flash2' only")
         return algorithms.tiles(None, shape, qi.dtype, algorithm, backward)
-    var = softcap is not None or alibi_slopes is not None
+    # the fast rungs run a varlen batch in their softcap/ALiBi instance (VL with VAR)
+    var = varlen or softcap is not None or alibi_slopes is not None
     which = _choose(kernel, shape, qi.dtype, None, backward,
                     variant=_asked(window, softcap, alibi_slopes), var=var)
     if which == "wg":
@@ -195,7 +200,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
 
     ``algorithm``: "flash2" (default), or the paper's other two schedules on the
     reference rung, "flash1" (FlashAttention-1: K/V outer, O, ℓ, m through HBM at every
-    step) and "standard" (S, P and O each through HBM), with their variants, tiles and
+    step) and "standard" (S, P and O each through HBM), or Saha & Ye's "square" (B × B
+    tiles, block_sizes=(B, B); forward only), with their variants, tiles and
     instrumented counts (flashsim.gpu.algorithms).
     """
     if check_algorithm(algorithm, kernel) != "flash2":
@@ -243,7 +249,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                    K.grid(name, Nq, shape.Nk, Br, Bc, P), smem,
                    (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left), i32(right),
                     np.float32(scale * LOG2E), *_fast_variants(cp, scale, softcap, slopes),
-                    io),
+                    np.uint64(0), io),
                    threads=threads)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
@@ -279,7 +285,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     reference rung (`attention`); both are deterministic (no atomics)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    if check_algorithm(algorithm, kernel) != "flash2":
+    if check_algorithm(algorithm, kernel, backward=True) != "flash2":
         with arrays.stream(q):
             return algorithms.backward(q, k, v, out, lse, dout, algorithm=algorithm,
                                        causal=causal, scale=scale, window=window,
@@ -368,7 +374,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
         dev.launch(cp, dev.kernel(name, dtype, count_io, d, var), grid(name), smem,
                 (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
                  i32(right), np.float32(scale), *_fast_variants(cp, scale, softcap, slopes),
-                 sem, io),
+                 sem, np.uint64(0), io),
                 threads=K.threads(name, d, cc))
     else:
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
@@ -509,10 +515,10 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         plan.scale = check_scale(scale, d)
         plan.io = dev.unused_counters(q.device.index).data.ptr
         # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, k_in, k_out, slopes,
-        #  io): the plain instance, which reads none of the variants' three
-        plan.fwd = _Launcher(kern, "6Q4ifff4xQQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads,
+        #  vl, io): the plain instance, which reads none of the variants' three nor vl
+        plan.fwd = _Launcher(kern, "6Q4ifff4xQQQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads,
                              smem, (Nq, Nk, plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0,
-                                    0, plan.io))
+                                    0, 0, plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
         plan.bwd = None                                 # made by the first backward call
@@ -580,10 +586,10 @@ def _plan_torch_backward(plan, q, k):
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
                         K.threads("flash2_bwd_preprocess_tc", d, cc), 0, (Nq, plan.io))
         # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, k_in,
-        #  k_out, slopes, sem, io)
-        main = _Launcher(main, "10Q4ifff4xQQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
+        #  k_out, slopes, sem, vl, io)
+        main = _Launcher(main, "10Q4ifff4xQQQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
                          K.threads("flash2_bwd_tc", d, cc), smem,
-                         (Nq, Nk, plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, plan.io))
+                         (Nq, Nk, plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, 0, plan.io))
         # (dQacc, dQ | Nq, d, Br, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),

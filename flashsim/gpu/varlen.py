@@ -11,13 +11,15 @@ Sequence b is q[cu_q[b]:cu_q[b+1]] against k, v[cu_k[b]:cu_k[b+1]], a causal mas
 window aligned to the bottom-right corner of its own Nq_b × Nk_b scores; lengths of 0
 are allowed (an empty key sequence gives out = 0, lse = −∞).
 
-The reference rung runs them (float16/bfloat16 warn once that it is the slow rung): its
-forward and backward main loop walk a table of the real tiles (kernels_cu/common.cuh's
-seq_of), so the grid covers no padding and ``count_io=True`` counts exactly
-`fs.simulate_varlen`'s bytes for the same block sizes (``block_sizes(q, v)`` on the
-(heads, tokens, d) view, the same for every sequence). The packed arrays are read as
-(heads, tokens, ·): one transposing copy of q, k, v (and dout, out) on the way in, and of
-the results on the way out, outside the counted traffic.
+Every rung runs them, chosen as for dense inputs ("auto": the Hopper forward, else the
+tensor-core kernels, else the reference; float16/bfloat16 warn once where they fall to the
+reference). The forward and backward main loops walk a table of the real tiles
+(kernels_cu/common.cuh's seq_of; the fast rungs in their varlen instance, VL, which also
+runs softcap and ALiBi), so the grid covers no padding and ``count_io=True`` counts
+exactly `fs.simulate_varlen`'s bytes for the same block sizes
+(``fs.gpu.block_sizes(q, v, varlen=True)``, the same for every sequence). The packed
+arrays are read as (heads, tokens, ·): one transposing copy of q, k, v (and dout, out) on
+the way in, and of the results on the way out, outside the counted traffic.
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ from ..problem import Shape, check_scale
 from ..varlen import _check_batches, _slopes_per_sequence, check_cu_seqlens
 from ..variants import check_softcap, make_band
 from . import _arrays as arrays, _device as dev
-from .flash2 import KERNELS, _blocks, _warn_reference
-
-_REF = "the reference kernel"
+from .flash2 import LOG2E, _asked, _blocks, _choose, _fast_variants, _tc_tiles
 
 
 def _host_ints(name: str, x) -> np.ndarray:
@@ -93,14 +93,8 @@ class _Batch:
         band = make_band(causal, window)
         cap = check_softcap(softcap)
         slopes = _slopes_per_sequence(alibi_slopes, self.B, Hq)
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel in ("tc", "wg"):
-            raise ValueError(f"packed varlen batches run on {_REF} so far; use kernel='ref' "
-                             f"or 'auto' (got kernel={kernel!r})")
-        if kernel == "auto":
-            _warn_reference(qi.dtype, "a packed varlen batch (the fast rungs do not run "
-                                      "it yet)")
+        self.kernel, self.softcap = kernel, cap
+        self.variant = _asked(window, softcap, alibi_slopes)
         self.dtype, self.torch = qi.dtype, qi.torch
         self.Tq, self.Tk, self.Hq, self.Hk, self.d, self.dv = Tq, Tk, Hq, Hk, d, dv
         # what the block sizes depend on (d, dv); N is the longest sequence's
@@ -117,6 +111,16 @@ class _Batch:
         self.K = heads_first(cp, ki.arr)
         self.V = heads_first(cp, vi.arr)
         self.kv_index = cp.asarray((np.arange(Hq) // (Hq // Hk)).astype(np.int32))
+
+    def rung(self, block_sizes, backward: bool) -> str:
+        """"wg", "tc" or "ref", as `flash2._choose` picks for dense inputs of these head
+        dims (the fast rungs' varlen instance is their softcap/ALiBi one, VAR)."""
+        return _choose(self.kernel, self.shape, self.dtype, block_sizes, backward,
+                       variant=self.variant, var=True)
+
+    def fast(self, cp):
+        """(k_in, k_out, slopes) of the fast rungs' varlen instance (VarScores)."""
+        return _fast_variants(cp, self.scale, self.softcap, self.slopes)
 
     def table(self, Br: int, Bc: int, over: str):
         """The kernels' vl array: B, cu_q, cu_k, cumulative Q tiles of Br, and (b, tile)
@@ -146,8 +150,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     """FlashAttention-2 forward over a packed batch: (out, lse), or (out, lse, traffic)
     with ``count_io=True``. out (total_q, Hq, dv) in q's dtype, lse (Hq, total_q) fp32.
     ``max_seqlen_q``/``max_seqlen_k``, when given (flash_attn's arguments), must be at
-    least the longest sequence. ``alibi_slopes``: (Hq,) or (batch, Hq). ``kernel``:
-    "ref" or "auto" (the reference rung runs packed batches so far)."""
+    least the longest sequence. ``alibi_slopes``: (Hq,) or (batch, Hq). ``kernel``: as
+    in `flashsim.gpu.attention` ("auto", "wg", "tc" or "ref"); the fast rungs' tiles are
+    ``fs.gpu.block_sizes(q, v, varlen=True)``."""
     with arrays.stream(q):
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal, scale, window, softcap, alibi_slopes, block_sizes,
@@ -159,17 +164,31 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     cp = dev.cupy()
     bt = _Batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 scale, window, softcap, alibi_slopes, kernel)
-    Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=False)
-    vl, ctas, _ = bt.table(Br, Bc, "q")
+    which = bt.rung(block_sizes, backward=False)
     O = arrays.empty(cp, (bt.Hq, bt.Tq, bt.dv), arrays.storage(cp, bt.dtype))
     L = arrays.empty(cp, (bt.Hq, bt.Tq), cp.float32)
     io = dev.counters(cp, count_io)
     i32 = np.int32
-    smem = K.smem_bytes("flash2_fwd", Br, Bc, bt.d, bt.dv, bt.dtype)
-    dev.launch(cp, dev.kernel("flash2_fwd", bt.dtype, count_io), (ctas, bt.Hq), smem,
-               (bt.Q, bt.K, bt.V, bt.kv_index, O, L, i32(bt.Tq), i32(bt.Tk), i32(bt.d),
-                i32(bt.dv), i32(Br), i32(Bc), i32(bt.left), i32(bt.right),
-                dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, vl, io))
+    if which in ("tc", "wg"):
+        if which == "wg":
+            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[bt.d]
+        else:
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(bt.d, False, True)
+        vl, ctas, _ = bt.table(Br, Bc, "q")
+        smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
+                   smem, (bt.Q, bt.K, bt.V, bt.kv_index, O, L, i32(bt.Tq), i32(bt.Tk),
+                          i32(bt.left), i32(bt.right), np.float32(bt.scale * LOG2E),
+                          *bt.fast(cp), vl, io),
+                   threads=K.threads(name, bt.d, dev.cc(cp.cuda.Device().id)))
+    else:
+        Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=False)
+        vl, ctas, _ = bt.table(Br, Bc, "q")
+        smem = K.smem_bytes("flash2_fwd", Br, Bc, bt.d, bt.dv, bt.dtype)
+        dev.launch(cp, dev.kernel("flash2_fwd", bt.dtype, count_io), (ctas, bt.Hq), smem,
+                   (bt.Q, bt.K, bt.V, bt.kv_index, O, L, i32(bt.Tq), i32(bt.Tk), i32(bt.d),
+                    i32(bt.dv), i32(Br), i32(Bc), i32(bt.left), i32(bt.right),
+                    dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, vl, io))
     out = arrays.out(cp, heads_first(cp, O), bt.dtype, bt.torch)
     lse = arrays.out(cp, L, "float32", bt.torch)
     return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
@@ -218,7 +237,11 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         raise ValueError(f"lse must have shape (heads, total_q) = {(bt.Hq, bt.Tq)}, got "
                          f"{tuple(L.shape)}")
     L = cp.ascontiguousarray(L.astype(cp.float32, copy=False))
-    Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=True)
+    which = bt.rung(block_sizes, backward=True)
+    if which == "tc":
+        Br, Bc = _tc_tiles(bt.d, True)
+    else:
+        Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=True)
     vl, ctas, q_tiles = bt.table(Br, Bc, "kv")
     st = arrays.storage(cp, bt.dtype)
     D = arrays.empty(cp, (bt.Hq, bt.Tq), cp.float32)
@@ -228,18 +251,32 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     dV = arrays.empty(cp, (bt.Hq, bt.Tk, bt.dv), st)
     io = dev.counters(cp, count_io)
     i32 = np.int32
+    cc = dev.cc(cp.cuda.Device().id)
     # one turn counter per (head, Q tile of a sequence); a null pointer: unordered atomics
     sem = cp.zeros(bt.Hq * q_tiles, dtype=cp.int32) if deterministic else np.uint64(0)
     # the pre- and post-pass are per row: all of a head's rows are one problem for them
     rows = (-(-bt.Tq // Br), bt.Hq)
-    dev.launch(cp, dev.kernel("flash2_bwd_preprocess", bt.dtype, count_io), rows, 0,
-               (O, dO, D, dQacc, i32(bt.Tq), i32(bt.d), i32(bt.dv), i32(Br), io))
-    smem = K.smem_bytes("flash2_bwd_main", Br, Bc, bt.d, bt.dv, bt.dtype)
-    dev.launch(cp, dev.kernel("flash2_bwd_main", bt.dtype, count_io), (ctas, bt.Hq), smem,
-               (bt.Q, bt.K, bt.V, bt.kv_index, dO, L, D, dQacc, dK, dV, i32(bt.Tq),
-                i32(bt.Tk), i32(bt.d), i32(bt.dv), i32(Br), i32(Bc), i32(bt.left),
-                i32(bt.right), dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, sem, vl,
-                io))
+    if which == "tc":
+        name = "flash2_bwd_preprocess_tc"
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d),
+                   K.grid(name, bt.Tq, bt.Tk, Br, Bc, bt.Hq), 0,
+                   (O, dO, D, dQacc, i32(bt.Tq), io), threads=K.threads(name, bt.d, cc))
+        name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
+        smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
+                   smem, (bt.Q, bt.K, bt.V, bt.kv_index, dO, L, D, dQacc, dK, dV, i32(bt.Tq),
+                          i32(bt.Tk), i32(bt.left), i32(bt.right), np.float32(bt.scale),
+                          *bt.fast(cp), sem, vl, io),
+                   threads=K.threads(name, bt.d, cc))
+    else:
+        dev.launch(cp, dev.kernel("flash2_bwd_preprocess", bt.dtype, count_io), rows, 0,
+                   (O, dO, D, dQacc, i32(bt.Tq), i32(bt.d), i32(bt.dv), i32(Br), io))
+        smem = K.smem_bytes("flash2_bwd_main", Br, Bc, bt.d, bt.dv, bt.dtype)
+        dev.launch(cp, dev.kernel("flash2_bwd_main", bt.dtype, count_io), (ctas, bt.Hq), smem,
+                   (bt.Q, bt.K, bt.V, bt.kv_index, dO, L, D, dQacc, dK, dV, i32(bt.Tq),
+                    i32(bt.Tk), i32(bt.d), i32(bt.dv), i32(Br), i32(Bc), i32(bt.left),
+                    i32(bt.right), dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, sem,
+                    vl, io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", bt.dtype, count_io), rows, 0,
                (dQacc, dQ, i32(bt.Tq), i32(bt.d), i32(Br), io))
     g = bt.Hq // bt.Hk
