@@ -23,8 +23,9 @@ with NVRTC and cached; ``count_io=True`` runs the instrumented build, whose thre
 add the bytes of every tile they move to per-tensor counters, and returns that as a
 `flashsim.Traffic`. Three rungs: "ref" (flash2_ref.cu, any dtype and tile), "tc"
 (flash2_tc.cu, mma.sync tensor cores, Ampere and later) and "wg" (flash2_wg.cu, the
-forward on Hopper's warpgroup MMAs, compute capability 9.0 only); FlashAttention-1 and
-standard attention on the reference rung (flash1_ref.cu, standard_ref.cu).
+forward on Hopper's warpgroup MMAs, compute capability 9.0 only), each also for packed
+varlen batches; FlashAttention-1, standard attention and (forward) Saha & Ye's square
+tiles on the reference rung (flash1_ref.cu, standard_ref.cu, square_ref.cu).
 """
 
 from ._device import (GPUUnavailableError, INSTALL_HINT, THREADS, available, compile_options,
