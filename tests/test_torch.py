@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 fst = pytest.importorskip("flashsim.torch")
+import flashsim as fs  # noqa: E402
 
 
 def sdpa(q, k, v, causal):
@@ -92,11 +93,97 @@ def test_flash_attn_interface():
                         scale=0.2).transpose(1, 2)
     assert out.shape == (2, 30, 4, 16)
     torch.testing.assert_close(out, ref)
-    for kw, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(window_size=(8, 0)), "window_size"),
-                     (dict(softcap=30.0), "softcap"), (dict(return_attn_probs=True),
-                                                       "return_attn_probs")):
+    for kw, name in ((dict(dropout_p=0.1), "dropout_p"),
+                     (dict(return_attn_probs=True), "return_attn_probs")):
         with pytest.raises(fst.UnsupportedArgument, match=name):
             fst.flash_attn_func(q, k, v, **kw)
+
+
+def test_flash_attn_variants_match_the_float64_reference():
+    """window_size, softcap and alibi_slopes pass through to the kernels' semantics
+    (flashsim.attention_reference's), values and gradients."""
+    torch.manual_seed(4)
+    q = torch.randn(2, 21, 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 25, 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 25, 2, 8, dtype=torch.float64, requires_grad=True)
+    slopes = torch.rand(2, 4) * 0.5
+    kw = dict(causal=True, window_size=(6, 0), softcap=5.0, alibi_slopes=slopes)
+    out = fst.flash_attn_func(q, k, v, **kw)
+    want, _ = fs.attention_reference(*(x.detach().transpose(1, 2).numpy() for x in (q, k, v)),
+                                     causal=True, window=(6, 0), softcap=5.0,
+                                     alibi_slopes=slopes.numpy())
+    np.testing.assert_allclose(out.detach().transpose(1, 2).numpy(), want, atol=1e-12)
+    out.square().sum().backward()
+    g = [x.grad.clone() for x in (q, k, v)]
+    # the gradients against autograd through an explicit float64 computation
+    for x in (q, k, v):
+        x.grad = None
+    ref = _explicit(q, k, v, causal=True, window=(6, 0), softcap=5.0, slopes=slopes)
+    ref.square().sum().backward()
+    # (the backward takes the fp32 lse, as the kernels store it: fp32's precision)
+    for a, b in zip(g, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _explicit(q, k, v, *, causal, window, softcap, slopes):
+    """Attention written out in PyTorch ((B, N, H, d) layout), the variants in
+    flashsim.variants' order: softcap, then ALiBi, then the band (bottom-right)."""
+    B, Nq, H, d = q.shape
+    Nk, g = k.shape[1], H // k.shape[2]
+    kk, vv = (x.repeat_interleave(g, dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) / d ** 0.5
+    s = softcap * torch.tanh(s / softcap)
+    r = torch.arange(Nq)[:, None] + (Nk - Nq)
+    c = torch.arange(Nk)[None, :]
+    s = s - slopes[:, :, None, None] * (r - c).abs()
+    left, right = window
+    seen = (c >= r - left) & (c <= r + (0 if causal else right))
+    s = s.masked_fill(~seen, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), vv)
+
+
+def test_flash_attn_varlen_func_matches_each_sequence():
+    """Packed sequences (lengths 0 and 1 among them, GQA, causal, a window) give each
+    sequence's own flash_attn_func result and gradients; opcheck on the varlen ops."""
+    torch.manual_seed(5)
+    nq, nk = [3, 0, 1, 9], [5, 2, 0, 9]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(nq)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(nk)]), dtype=torch.int32)
+    q = torch.randn(sum(nq), 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(nk), 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(nk), 2, 8, dtype=torch.float64, requires_grad=True)
+    kw = dict(causal=True, window_size=(4, 0), softcap=3.0)
+    out = fst.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(nq), max(nk), **kw)
+    assert out.shape == (sum(nq), 4, 8)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(len(nq)):
+        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if nq[b] == 0:
+            continue
+        if nk[b] == 0:                         # no key: out = 0, no gradient for q
+            assert (out[sq] == 0).all() and (dq[sq] == 0).all()
+            continue
+        qb, kb, vb = (x[s].detach().clone().requires_grad_()[None]
+                      for x, s in ((q, sq), (k, sk), (v, sk)))
+        ob = fst.flash_attn_func(qb, kb, vb, **kw)
+        torch.testing.assert_close(out[sq], ob[0], rtol=1e-12, atol=1e-12)
+        gb = torch.autograd.grad(ob, (qb, kb, vb), dout[sq][None])
+        for got, want in zip((dq[sq], dk[sk], dv[sk]), gb):
+            torch.testing.assert_close(got, want[0], rtol=1e-9, atol=1e-10)
+    args = (q.detach(), k.detach(), v.detach(), cu_q, cu_k, max(nq), max(nk), True, 0.3, False,
+            4, 0, 3.0, None)
+    torch.library.opcheck(fst.attention_varlen_fwd, args)
+    o, lse = fst.attention_varlen_fwd(*args)
+    assert lse.shape == (4, sum(nq)) and lse.dtype == torch.float32
+    torch.library.opcheck(fst.attention_varlen_bwd, args[:3] + (o, lse, torch.randn_like(o))
+                          + args[3:])
+    with pytest.raises(fst.UnsupportedArgument, match="block_table"):
+        fst.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, block_table=torch.zeros(1))
+    with pytest.raises(ValueError, match="3-D packed"):
+        fst.flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 9, 9)
+    with pytest.raises(ValueError, match="must start at 0"):
+        fst.flash_attn_varlen_func(q, k, v, cu_q + 1, cu_k, 9, 9)
 
 
 def test_bad_input():
@@ -118,8 +205,8 @@ def test_import_flashsim_does_not_import_torch():
 
 def test_hugging_face_backend_matches_sdpa():
     """A small random Llama-style model (GQA, causal) with attn_implementation="fsim"
-    gives SDPA's logits, gradients and greedy generations, trains the same, and refuses a
-    padding mask."""
+    gives SDPA's logits, gradients and greedy generations, trains the same, and runs
+    padded batches (left and right padding) as packed varlen batches."""
     import copy
     transformers = pytest.importorskip("transformers")
     name = fst.register_hf()
@@ -160,8 +247,27 @@ def test_hugging_face_backend_matches_sdpa():
                                      do_sample=False),
                        ref.generate(ids[:, :5], attention_mask=mask, max_new_tokens=4,
                                     do_sample=False))
-    padded = torch.tensor([[1] * 40, [0] * 5 + [1] * 35])
-    with pytest.raises(fst.UnsupportedArgument, match="unpadded batches"):
-        ours(ids, attention_mask=padded)
+    # padded batches run as packed varlen batches: left padding (generation) and right
+    # padding (training), logits at the real tokens and gradients equal to SDPA's (the
+    # same weights again: the training above moved each model by its own roundings)
+    ref.load_state_dict(ours.state_dict())
+    for padded in (torch.tensor([[1] * 40, [0] * 5 + [1] * 35]),
+                   torch.tensor([[1] * 31 + [0] * 9, [1] * 40])):
+        for model in (ours, ref):
+            model.zero_grad()
+        a, b = ours(ids, attention_mask=padded), ref(ids, attention_mask=padded)
+        real = padded.bool()
+        torch.testing.assert_close(a.logits[real], b.logits[real], rtol=1e-10, atol=1e-12)
+        a.logits[real].square().sum().backward()
+        b.logits[real].square().sum().backward()
+        # fp32 lse again, relative to each gradient's scale (this loss is not a mean)
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5,
+                                       atol=1e-5 * float(q.grad.abs().max()))
+    left = torch.tensor([[1] * 8, [0] * 3 + [1] * 5])
+    assert torch.equal(ours.generate(ids[:, :8], attention_mask=left, max_new_tokens=4,
+                                     do_sample=False),
+                       ref.generate(ids[:, :8], attention_mask=left, max_new_tokens=4,
+                                    do_sample=False))
     with pytest.raises(ValueError, match="contains 'flash'"):
         fst.register_hf("flashsim")
