@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     kb.add_argument("--arch", action="append", default=None,
                     help="target, e.g. sm_90 or sm_80 (repeatable; default sm_90)")
     kb.add_argument("--nvcc", default=None, help="the nvcc to use (default: from PATH)")
+    kb.add_argument("--no-cache", action="store_true",
+                    help="compile everything again rather than reuse ptxas's reports kept "
+                         "under ~/.cache/flashsim/build (keyed by nvcc's version, the "
+                         "command and every kernel source and header)")
     return p
 
 
@@ -592,7 +596,7 @@ def run_kernels_build(args) -> int:
     from . import kernels
     spilled = set()
     for arch in args.arch or ["sm_90"]:
-        rows = kernels.build(arch, nvcc=args.nvcc)
+        rows = kernels.build(arch, nvcc=args.nvcc, cache=not args.no_cache)
         print(kernels.format_build(rows, arch))
         print()
         spilled |= {"instrumented" if r.instrumented else "fast path"

@@ -9,6 +9,7 @@ the kernels through CuPy.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -485,11 +486,33 @@ _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def _build_cache_dir() -> Path:
+    return (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashsim"
+            / "build")
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+
+
+def _sources_digest(kdir: Path) -> str:
+    """Every kernel source and header: an instance's build depends on any of them."""
+    h = hashlib.sha256()
+    for f in sorted(kdir.iterdir()):
+        if f.suffix in (".cu", ".cuh", ".h"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = None,
-          instrumented: bool | None = None) -> list[BuildRow]:
+          instrumented: bool | None = None, cache: bool = True) -> list[BuildRow]:
     """Compile every kernel instance with nvcc (no GPU needed) and return ptxas's
     registers, static shared memory, stack and spill bytes per instance. Raises
-    RuntimeError with the compiler's output if anything fails to compile."""
+    RuntimeError with the compiler's output if anything fails to compile. ``cache``:
+    ptxas's report of each compilation is kept under ~/.cache/flashsim/build, keyed by the
+    nvcc version, the command and every kernel source and header, so an unchanged build
+    (the test suite's, then `flashsim kernels build`'s) compiles once."""
     if not re.fullmatch(r"sm_\d{2,3}a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     nvcc = nvcc or shutil.which("nvcc")
@@ -503,8 +526,16 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     jobs = [(src, count_io, k, target) for src in sources for count_io in modes
             for k in SOURCES[src] if (target := source_arch(src, arch)) is not None]
 
+    digest = _sources_digest(kdir) + _nvcc_version(nvcc) if cache else None
+
     def compile_one(job, tmp):
         src, count_io, k, target = job
+        key = None
+        if digest is not None:
+            key = hashlib.sha256(repr((digest, job)).encode()).hexdigest()
+            hit = _build_cache_dir() / f"{key}.ptxas"
+            if hit.is_file():
+                return [r for r in _parse_ptxas(hit.read_text(), src, count_io) if r.kernel == k]
         exprs = [i.expr for i in instances(src) if i.kernel == k]
         inst = Path(tmp) / "instances.cu"
         refs = ",\n    ".join(f"(void*)&{e}" for e in exprs)
@@ -521,6 +552,14 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
+        if key is not None:
+            try:
+                _build_cache_dir().mkdir(parents=True, exist_ok=True)
+                part = _build_cache_dir() / f"{key}.{os.getpid()}.tmp"
+                part.write_text(proc.stderr)
+                part.replace(_build_cache_dir() / f"{key}.ptxas")
+            except OSError:
+                pass                     # a read-only home: no cache, the same result
         return [r for r in _parse_ptxas(proc.stderr, src, count_io) if r.kernel == k]
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -110,3 +110,28 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
             return kernels.ctas_per_sm(threads=threads, registers=regs, smem=smem,
                                        smem_per_sm=hw.smem_per_sm)
         assert occupancy(table) == occupancy(r.registers), (r.kernel, r.dtype, r.D)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_the_build_cache_reuses_reports_until_a_source_changes(tmp_path, monkeypatch):
+    """kernels.build keeps ptxas's report per compilation, keyed by every source and
+    header: a second build compiles nothing; an edit to a shared header compiles again."""
+    import shutil as sh
+    kdir = tmp_path / "kernels_cu"
+    sh.copytree(kernels.kernel_dir(), kdir)
+    monkeypatch.setattr(kernels, "kernel_dir", lambda: kdir)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / "flashsim" / "build"
+    first = kernels.build("sm_80", source="square_ref.cu", instrumented=False)
+    n = len(list(cached.iterdir()))
+    assert n == len(kernels.SOURCES["square_ref.cu"])
+    calls = []
+    real = kernels.subprocess.run
+    monkeypatch.setattr(kernels.subprocess, "run",
+                        lambda cmd, **kw: (calls.append(cmd), real(cmd, **kw))[1])
+    assert kernels.build("sm_80", source="square_ref.cu", instrumented=False) == first
+    assert not [c for c in calls if "-cubin" in c]          # no compilation ran
+    (kdir / "common.cuh").write_text((kdir / "common.cuh").read_text() + "\n// edited\n")
+    assert kernels.build("sm_80", source="square_ref.cu", instrumented=False) == first
+    assert len([c for c in calls if "-cubin" in c]) == n
+    assert len(list(cached.iterdir())) == 2 * n
