@@ -22,7 +22,8 @@ flash_attn's (batch, seqlen, heads, d) layout and argument names, and
 windows, softcap and ALiBi slopes pass through. The kernels read contiguous heads-first
 tensors, so these layouts are transposed with a copy for now. Arguments the kernels do
 not support yet (dropout, a block table, attention probabilities) raise
-`UnsupportedArgument` naming them. `register_hf` makes this the attention of a
+`UnsupportedArgument` naming them. `flash_attn_with_kvcache` runs one decoding step over a
+contiguous or paged KV cache (`flashsim.gpu.attention_with_kvcache`). `register_hf` makes this the attention of a
 transformers model, padded batches through the varlen op.
 
 Importing this module imports torch; ``import flashsim`` alone never does.
@@ -351,6 +352,60 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out
 
 
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes=None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """flash_attn's `flash_attn_with_kvcache`, one decoding step: k, v (batch, Nnew,
+    kv_heads, d), if given, are written into the caches in place at rows cache_seqlens[b]
+    …, then q (batch, Nq, heads, d) attends over each sequence's cache_seqlens[b] + Nnew
+    rows (causal: aligned to the bottom right). Caches (batch, capacity, kv_heads, d), or
+    paged (num_pages, page_size, kv_heads, d) with ``block_table`` (batch, max_pages)
+    int32. ``cache_seqlens``: an int or (batch,) integers (None: the contiguous cache is
+    full after the append). ``num_splits`` 0: the occupancy heuristic. Returns out (batch, Nq, heads, d),
+    and lse (batch, heads, Nq) fp32 with ``return_softmax_lse``. On CUDA the decoding
+    kernels (`flashsim.gpu.attention_with_kvcache`; float16/bfloat16, d ∈ {64, 128}),
+    elsewhere the float64 simulator (`flashsim.simulate_kvcache`). Not a training op (no
+    gradients, as flash_attn's). Rotary embeddings, cache_batch_idx, cache_leftpad,
+    windows, softcap and ALiBi raise `UnsupportedArgument`."""
+    unsupported = [name for name, bad in (
+        ("rotary_cos", rotary_cos is not None), ("rotary_sin", rotary_sin is not None),
+        ("cache_batch_idx", cache_batch_idx is not None),
+        ("cache_leftpad", cache_leftpad is not None),
+        ("window_size", tuple(window_size) != (-1, -1)), ("softcap", softcap != 0.0),
+        ("alibi_slopes", alibi_slopes is not None)) if bad]
+    if unsupported:
+        raise UnsupportedArgument(f"flashsim's decoding kernels do not support "
+                                  f"{', '.join(unsupported)} yet")
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        if block_table is not None:
+            raise ValueError("a paged cache needs cache_seqlens (the rows each sequence holds)")
+        cache_seqlens = k_cache.shape[1] - (0 if k is None else k.shape[1])
+    if isinstance(cache_seqlens, (int, np.integer)):
+        cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
+    splits = None if num_splits in (0, None) else num_splits
+    if q.is_cuda:
+        from . import gpu
+        out, lse = gpu.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                              block_table=block_table, k=k, v=v, causal=causal,
+                                              scale=softmax_scale, num_splits=splits)
+    else:
+        from .kvcache import simulate_kvcache
+        host = (lambda x: None if x is None else _to_numpy(torch.as_tensor(x)))  # noqa: E731
+        r = simulate_kvcache(_to_numpy(q), _to_numpy(k_cache), _to_numpy(v_cache),
+                             cache_seqlens=host(cache_seqlens), block_table=host(block_table),
+                             k=host(k), v=host(v), causal=causal, num_splits=splits,
+                             scale=softmax_scale)
+        if k is not None:                # the append lands in the caller's caches
+            k_cache.copy_(_from_numpy(r.k_cache, k_cache))
+            v_cache.copy_(_from_numpy(r.v_cache, v_cache))
+        out, lse = _from_numpy(r.out, q), _from_numpy(r.lse, q, torch.float32)
+    return (out, lse) if return_softmax_lse else out
+
+
 # -- Hugging Face transformers ----------------------------------------------------------
 
 def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -429,5 +484,6 @@ def register_hf(name: str = HF_NAME) -> str:
 
 
 __all__ = ["attention", "attention_with_lse", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache",
            "attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd",
            "UnsupportedArgument", "register_hf", "HF_NAME"]

@@ -271,3 +271,36 @@ def test_hugging_face_backend_matches_sdpa():
                                     do_sample=False))
     with pytest.raises(ValueError, match="contains 'flash'"):
         fst.register_hf("flashsim")
+
+
+def test_flash_attn_with_kvcache_appends_in_place_and_attends():
+    """flash_attn's decoding call, contiguous and paged: the new rows land in the caller's
+    caches, and out equals flash_attn_func over each sequence's cache rows (causal,
+    bottom-right), lse with return_softmax_lse."""
+    torch.manual_seed(6)
+    B, Hk, H, d, Nq, Nnew = 2, 2, 4, 16, 3, 2
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    q = torch.randn(B, Nq, H, d, dtype=torch.float64)
+    kn, vn = torch.randn(B, Nnew, Hk, d, dtype=torch.float64), torch.randn(B, Nnew, Hk, d, dtype=torch.float64)
+    kc, vc = torch.randn(B, 16, Hk, d, dtype=torch.float64), torch.randn(B, 16, Hk, d, dtype=torch.float64)
+    # the same rows in a paged cache: pages of 16 rows, sequence b in page 2 − b
+    kp, vp = torch.zeros(3, 16, Hk, d, dtype=torch.float64), torch.zeros(3, 16, Hk, d, dtype=torch.float64)
+    kp[2], kp[1], vp[2], vp[1] = kc[0], kc[1], vc[0], vc[1]
+    table = torch.tensor([[2], [1]], dtype=torch.int32)
+    out, lse = fst.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True,
+                                           return_softmax_lse=True)
+    paged = fst.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, causal=True,
+                                        block_table=table)
+    assert out.shape == q.shape and lse.shape == (B, H, Nq)
+    torch.testing.assert_close(paged, out, rtol=0, atol=0)
+    for b in range(B):
+        n = int(lens[b]) + Nnew
+        torch.testing.assert_close(kc[b, int(lens[b]):n], kn[b], rtol=0, atol=0)   # in place
+        torch.testing.assert_close(kp[2 - b, int(lens[b]):n], kn[b], rtol=0, atol=0)
+        want = fst.flash_attn_func(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], causal=True)
+        torch.testing.assert_close(out[b:b + 1], want, rtol=1e-12, atol=1e-12)
+    for kw in (dict(rotary_cos=q), dict(softcap=5.0), dict(cache_leftpad=lens)):
+        with pytest.raises(fst.UnsupportedArgument, match=next(iter(kw))):
+            fst.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)
+    with pytest.raises(ValueError, match="paged cache needs cache_seqlens"):
+        fst.flash_attn_with_kvcache(q, kp, vp, block_table=table)

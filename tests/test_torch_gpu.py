@@ -110,3 +110,39 @@ def test_varlen_and_variants_on_the_device(dtype):
                                           causal=True).float().square().mean()
     loss = torch.compile(step, fullgraph=True)(q, k, v)
     torch.testing.assert_close(loss, step(q, k, v), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attn_with_kvcache_on_the_device(paged):
+    """The decoding call on CUDA (splitkv_tc.cu): the append lands in the caller's caches
+    bit for bit, and out and lse match the float64 path on the same values (a float16
+    output's rounding, the fp32 lse's)."""
+    import flashsim.torch as fst
+    g = torch.Generator().manual_seed(9)
+    B, Hk, H, d, Nq, Nnew, P = 3, 2, 8, 128, 1, 2, 16
+    lens = torch.tensor([40, 0, 17], dtype=torch.int32)
+    q = torch.randn(B, Nq, H, d, generator=g).half()
+    kn, vn = (torch.randn(B, Nnew, Hk, d, generator=g).half() for _ in range(2))
+    if paged:
+        kc, vc = (torch.randn(12, P, Hk, d, generator=g).half() for _ in range(2))
+        table = torch.tensor([[3, 7, 1, 0], [2, 4, 5, 6], [11, 10, 9, 8]], dtype=torch.int32)
+    else:
+        kc, vc = (torch.randn(B, 64, Hk, d, generator=g).half() for _ in range(2))
+        table = None
+    cpu = [x.clone() for x in (kc, vc)]
+    want, want_lse = fst.flash_attn_with_kvcache(q.double(), cpu[0].double(), cpu[1].double(),
+                                                 kn.double(), vn.double(), cache_seqlens=lens,
+                                                 block_table=table, causal=True,
+                                                 return_softmax_lse=True)
+    kd, vd = kc.cuda(), vc.cuda()
+    out, lse = fst.flash_attn_with_kvcache(q.cuda(), kd, vd, kn.cuda(), vn.cuda(),
+                                           cache_seqlens=lens.cuda(), causal=True,
+                                           block_table=None if table is None else table.cuda(),
+                                           return_softmax_lse=True)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse.double().cpu(), want_lse.double(), rtol=1e-5, atol=1e-5)
+    for b in range(B):
+        for r in range(Nnew):
+            row = int(lens[b]) + r
+            page, at = (int(table[b, row // P]), row % P) if paged else (b, row)
+            assert torch.equal(kd[page, at].cpu(), kn[b, r]) and torch.equal(vd[page, at].cpu(), vn[b, r])
