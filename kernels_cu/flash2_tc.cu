@@ -275,7 +275,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             // slopes: one per problem, or (VL) per (sequence, problem)
             const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
             // dist = r + (Nk − Nq) − c: one base per tile, immediates per element
-            const int dist0 = i0 + warp * RW + g + (nk - nq) - j0 - tig * 2;
+            const float dist0 = (float)(i0 + warp * RW + g + (nk - nq) - j0 - tig * 2);
 #pragma unroll
             for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -283,7 +283,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float th;
-                        s[mi][t][e] = vs(s[mi][t][e], dist0 + mi * 16 + (e < 2 ? 0 : 8) - t * 8 - (e & 1), &th);
+                        s[mi][t][e] = vs(s[mi][t][e], dist0 + (float)(mi * 16 + (e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
                     }
         }
         // mask ragged keys and the band, elementwise, only where the tile needs it
@@ -602,10 +602,10 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             // VAR: the scores' constants, and dist = q + (Nk − Nq) − key as one base per
             // step plus immediates per element
             VarScores vs{};
-            int dist0 = 0;
+            float dist0 = 0.f;
             if constexpr (VAR) {
                 vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
-                dist0 = i0 + wh * (BrB / 2) + tig * 2 + (nk - nq) - j0 - k0;
+                dist0 = (float)(i0 + wh * (BrB / 2) + tig * 2 + (nk - nq) - j0 - k0);
             }
 #pragma unroll
             for (int t = 0; t < QN; ++t) {
@@ -621,7 +621,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
                         float dcap = 1.f;
                         if constexpr (VAR) {
                             float th = 0.f;
-                            const float x = vs(s[mt][t][e], dist0 + t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8), &th);
+                            const float x = vs(s[mt][t][e], dist0 + (float)(t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8)), &th);
                             pv[e] = ex2(x - ((e & 1) ? l2.y : l2.x));
                             dcap = fmaf(-th, th, 1.f);   // 1 without a softcap (th = 0)
                         } else {

@@ -260,13 +260,13 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
             // slopes: one per problem, or (VL) per (sequence, problem)
             const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f};
-            const int dist0 = i0 + r0 + (nk - nq) - j0 - tig * 2;   // r + off − c, per tile
+            const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float th;
-                    s[4 * t + e] = vs(s[4 * t + e], dist0 + (e < 2 ? 0 : 8) - t * 8 - (e & 1), &th);
+                    s[4 * t + e] = vs(s[4 * t + e], dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
                 }
         }
         const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)

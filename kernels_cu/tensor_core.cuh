@@ -91,7 +91,10 @@ struct VarScores {
     float k_in;     // 2·log2(e)·scale / softcap (the tanh's exponent), or scale·log2(e)
     float k_out;    // softcap·log2(e); 0: no softcap
     float k_bias;   // slope·log2(e); 0: no ALiBi
-    __device__ __forceinline__ float operator()(float s, int dist, float* t) const {
+    // dist as a float (an exact integer below 2^24): the callers add compile-time offsets
+    // to a per-tile base with FADDs; an int → float conversion per score ran on the
+    // quarter-rate conversion pipe, beside MUFU's
+    __device__ __forceinline__ float operator()(float s, float dist, float* t) const {
         float x;
         if (k_out != 0.f) {
             *t = 1.f - __fdividef(2.f, 1.f + ex2(s * k_in));
@@ -99,7 +102,7 @@ struct VarScores {
         } else {
             x = s * k_in;
         }
-        if (k_bias != 0.f) x = fmaf(-k_bias, fabsf((float)dist), x);
+        if (k_bias != 0.f) x = fmaf(-k_bias, fabsf(dist), x);
         return x;
     }
 };
