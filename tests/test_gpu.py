@@ -7,7 +7,7 @@ the repository root: python3 -m pytest -m gpu --hypothesis-profile=gpu tests/tes
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import flashsim as fs
@@ -623,17 +623,27 @@ def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
     blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel, window=variants["window"],
                                           softcap=variants["softcap"],
                                           alibi_slopes=variants["alibi_slopes"])
-    sim = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype, **variants)
-    assert traffic == sim.traffic, traffic.diff(sim.traffic)   # skipped tiles included
-    simk = fs.simulate(q, k, v, "flash2", block_sizes=blocks, io_dtype=dtype,
+    assert_matches_simulator(out, lse, traffic, q, k, v, dtype, "flash2", blocks, variants)
+
+
+def assert_matches_simulator(out, lse, traffic, q, k, v, dtype, algorithm, blocks, variants):
+    """A GPU forward against the simulator at the tiles it ran: the traffic exactly
+    (skipped tiles included), the rows that see no key (out 0, lse −∞), and out and lse
+    against the kernel-precision twin (the same roundings: flash1's O at every step,
+    standard's S and P, square's E_ij in the I/O type; fp32 sums in another order).
+    Returns the float64 simulation, for the caller's rule against it."""
+    sim = fs.simulate(q, k, v, algorithm, block_sizes=blocks, io_dtype=dtype, **variants)
+    assert traffic == sim.traffic, traffic.diff(sim.traffic)
+    simk = fs.simulate(q, k, v, algorithm, block_sizes=blocks, io_dtype=dtype,
                        precision="kernel", **variants)
-    fin = np.isfinite(simk.lse)
-    assert np.array_equal(np.isneginf(lse), ~fin)              # rows that see no key
+    fin = np.isfinite(sim.lse)
+    assert np.array_equal(np.isneginf(lse), ~fin)
     assert (out[~fin] == 0).all()
     tol = _variant_tolerance(q, k, dtype, variants, k.shape[-2])
     vmax = max(1.0, np.abs(v).max())
     np.testing.assert_allclose(out, simk.out, rtol=tol, atol=tol * vmax)
     np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=tol, atol=tol)
+    return sim
 
 
 @given(variant_problems(), st.booleans())
@@ -720,19 +730,9 @@ def check_algorithm_forward(q, k, v, dtype, blocks, variants, algorithm, default
     np.testing.assert_array_equal(out, out_fast)     # instrumenting changes no result
     np.testing.assert_array_equal(lse, lse_fast)
     used = blocks or fs.gpu.block_sizes(qd, vd, algorithm=algorithm)
-    sim = fs.simulate(q, k, v, algorithm, block_sizes=used, io_dtype=dtype, **variants)
-    assert traffic == sim.traffic, traffic.diff(sim.traffic)
-    simk = fs.simulate(q, k, v, algorithm, block_sizes=used, io_dtype=dtype,
-                       precision="kernel", **variants)
-    fin = np.isfinite(sim.lse)
-    assert np.array_equal(np.isneginf(lse), ~fin)              # rows that see no key
-    assert (out[~fin] == 0).all()
-    # the kernel-precision twin: the same roundings (flash1's O at every step, standard's
-    # S and P, square's E_ij in the I/O type), in another order of fp32 sums
-    tol = _variant_tolerance(q, k, dtype, variants, k.shape[-2])
+    sim = assert_matches_simulator(out, lse, traffic, q, k, v, dtype, algorithm, used,
+                                   variants)
     vmax = max(1.0, np.abs(v).max())
-    np.testing.assert_allclose(out, simk.out, rtol=tol, atol=tol * vmax)
-    np.testing.assert_allclose(lse[fin], simk.lse[fin], rtol=tol, atol=tol)
     plain = all(variants[n] is None for n in ("window", "softcap", "alibi_slopes"))
     if plain and dtype in ("float16", "bfloat16"):
         # FlashAttention's rule against float64, plus one rounding of the output; flash1
