@@ -41,7 +41,6 @@ def forward(cp, src, D, N, variants, reps, rng):
     q, k, v = (cp.asarray(rng.standard_normal((B * H, N, D)).astype(np.float16))
                for _ in range(3))
     ref = cp.asnumpy(fs.gpu.attention(q, k, v, kernel="ref")[0]).astype(np.float32)
-    kv_index = cp.arange(B * H, dtype=cp.int32)
     flops = 4 * B * H * N * N * D
     for var in variants:
         warps, bc, minb, *rest = (int(x) for x in var.split(":"))
@@ -61,7 +60,8 @@ def forward(cp, src, D, N, variants, reps, rng):
         O = cp.empty_like(q)
         L = cp.empty((B * H, N), cp.float32)
         io = cp.zeros(16, cp.uint64)
-        args = (q, k, v, kv_index, O, L, np.int32(N), np.int32(N), np.int32(-1),
+        args = (q, k, v, _rows(cp, src, B * H, N, D), O, L, np.int32(N), np.int32(N),
+                *_strides(src, D, 4), np.int32(-1),
                 np.int32(-1), np.float32(math.log2(math.e) / math.sqrt(D)),
                 *_no_variants(src), *_no_table(src), io)
         grid = (-(-N // Br), B * H)
@@ -88,6 +88,19 @@ def _no_variants(src: str) -> tuple:
     return (np.float32(0), np.float32(0), np.uint64(0)) if "bool VAR" in src else ()
 
 
+def _rows(cp, src: str, P: int, N: int, D: int):
+    """Dense (P, N, D) tensors' row table (common.cuh's at: problem p's rows at p·N·D in
+    every tensor), or the K/V index of a source from before it."""
+    if "AT_NUM" in src:
+        return cp.asarray(np.repeat(np.arange(P, dtype=np.int64) * N * D, 8))
+    return cp.arange(P, dtype=cp.int32)
+
+
+def _strides(src: str, D: int, n: int) -> tuple:
+    """The n row strides (D: dense) of a source whose kernels take them."""
+    return (np.int32(D),) * n if "AT_NUM" in src else ()
+
+
 def _no_table(src: str) -> tuple:
     """No varlen table (vl), for a source whose kernels take it (the dense instance
     reads none)."""
@@ -102,7 +115,6 @@ def backward(cp, sources, D, N, variants, reps, rng):
     ref = fs.gpu.attention_backward(q, k, v, out, lse, do, kernel="ref")
     ref = [cp.asnumpy(x).astype(np.float32) for x in ref]
     P = B * H
-    kv_index = cp.arange(P, dtype=cp.int32)
     D_ = cp.sum(do.astype(cp.float32) * out.astype(cp.float32), axis=-1)
     flops = 2.5 * 4 * P * N * N * D
     scale = np.float32(1 / math.sqrt(D))
@@ -125,8 +137,8 @@ def backward(cp, sources, D, N, variants, reps, rng):
                 continue
             dQacc = cp.zeros((P, N, D), cp.float32)
             dK, dV = cp.empty_like(k), cp.empty_like(v)
-            args = (q, k, v, kv_index, do, lse, D_, dQacc, dK, dV, np.int32(N), np.int32(N),
-                    np.int32(-1), np.int32(-1), scale, *_no_variants(text), np.uint64(0),
+            args = (q, k, v, _rows(cp, text, P, N, D), do, lse, D_, dQacc, dK, dV, np.int32(N),
+                    np.int32(N), *_strides(text, D, 6), np.int32(-1), np.int32(-1), scale, *_no_variants(text), np.uint64(0),
                     *_no_table(text), cp.zeros(16, cp.uint64))
             grid = (-(-N // Bc), P)
 

@@ -19,8 +19,9 @@ run anywhere.
 flash_attn's (batch, seqlen, heads, d) layout and argument names, and
 `flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 ...)` its packed (total, heads, d) batches (ops ``flashsim::attention_varlen_fwd/_bwd``);
-windows, softcap and ALiBi slopes pass through. The kernels read contiguous heads-first
-tensors, so these layouts are transposed with a copy for now. Arguments the kernels do
+windows, softcap and ALiBi slopes pass through. The kernels read these layouts (and
+slices of a fused QKV projection) through their strides, without copies, and write out
+and the gradients laid out as their inputs are (`torch.empty_like`). Arguments the kernels do
 not support yet (dropout, a block table, attention probabilities) raise
 `UnsupportedArgument` naming them. `flash_attn_with_kvcache` runs one decoding step over a
 contiguous or paged KV cache (`flashsim.gpu.attention_with_kvcache`). `register_hf` makes this the attention of a
@@ -55,6 +56,24 @@ def _from_numpy(a: np.ndarray, like: torch.Tensor, dtype=None) -> torch.Tensor:
                                                          dtype=dtype or like.dtype)
 
 
+def _empty_like(x: torch.Tensor, last: int) -> torch.Tensor:
+    """An output shaped like ``x`` but for its last axis, laid out as flashsim.gpu lays
+    its outputs out (so the fakes below promise what the kernels return):
+    `torch.empty_like` when the shapes agree, else x's axes in the order of its strides,
+    dense."""
+    if last == x.shape[-1]:
+        return torch.empty_like(x)
+    lead = x.dim() - 1
+    order = sorted(range(lead), key=lambda a: -x.stride(a))
+    t = x.new_empty(tuple(x.shape[a] for a in order) + (last,))
+    return t.permute(*(order.index(a) for a in range(lead)), lead)
+
+
+def _like(a: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """A result of the float64 path in x's dtype, device and layout (`_empty_like`)."""
+    return _empty_like(x, a.shape[-1]).copy_(torch.from_numpy(np.array(a)))
+
+
 def _window(left: int, right: int):
     """flash_attn's (-1, -1) is no window; flashsim's is None."""
     return None if (left, right) == (-1, -1) else (left, right)
@@ -77,17 +96,17 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                softcap=softcap or None, alibi_slopes=_slopes(alibi_slopes))
     if q.is_cuda:
         from . import gpu
-        out, lse = gpu.attention(q.contiguous(), k.contiguous(), v.contiguous(), **var)
+        out, lse = gpu.attention(q, k, v, **var)      # read through their strides
         return out, lse
     from .reference import attention_reference
     out, lse = attention_reference(_to_numpy(q), _to_numpy(k), _to_numpy(v), **var)
-    return _from_numpy(out, q), _from_numpy(lse, q, torch.float32)
+    return _like(out, q), _from_numpy(lse, q, torch.float32)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, causal, scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
       alibi_slopes=None):
-    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    out = _empty_like(q, v.shape[-1])
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return out, lse
 
@@ -103,8 +122,8 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
                softcap=softcap or None, alibi_slopes=_slopes(alibi_slopes))
     if q.is_cuda:
         from . import gpu
-        c = [x.contiguous() for x in (q, k, v, out, lse, dout)]
-        dq, dk, dv = gpu.attention_backward(*c, deterministic=deterministic, **var)
+        dq, dk, dv = gpu.attention_backward(q, k, v, out, lse.contiguous(), dout,
+                                            deterministic=deterministic, **var)
         return dq, dk, dv
     # the given out and lse define P = exp(S − lse), as the kernels take them (a ring's
     # partial pairs need the global lse, not their own softmax): flash2's backward in
@@ -114,7 +133,7 @@ def attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     g = simulate_backward(_to_numpy(q), _to_numpy(k), _to_numpy(v), _to_numpy(out),
                           _to_numpy(lse), _to_numpy(dout), "flash2",
                           block_sizes=(max(Nq, 1), max(Nk, 1)), **var)
-    return _from_numpy(g.dq, q), _from_numpy(g.dk, k), _from_numpy(g.dv, v)
+    return _like(g.dq, q), _like(g.dk, k), _like(g.dv, v)
 
 
 @attention_bwd.register_fake
@@ -135,7 +154,7 @@ def _backward(ctx, dout, dlse):
     # lse is an output for the caller's own use (merging partial results); its gradient
     # is not propagated
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(q, k, v, out, lse, dout.contiguous(), ctx.causal, ctx.scale,
+    dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, ctx.causal, ctx.scale,
                                ctx.deterministic, *ctx.variant)
     return dq, dk, dv, None, None, None, None, None, None, None
 
@@ -164,19 +183,18 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_q, cu_k = _to_numpy(cu_seqlens_q), _to_numpy(cu_seqlens_k)
     if q.is_cuda:
         from . import gpu
-        return gpu.attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k,
-                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                    **var)
+        return gpu.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k, **var)
     from .varlen import simulate_varlen
     r = simulate_varlen(_to_numpy(q), _to_numpy(k), _to_numpy(v), cu_q, cu_k,
                         block_sizes=_whole(cu_q, cu_k), **var)
-    return _from_numpy(r.out, q), _from_numpy(r.lse, q, torch.float32)
+    return _like(r.out, q), _from_numpy(r.lse, q, torch.float32)
 
 
 @attention_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
       deterministic, window_left, window_right, softcap, alibi_slopes):
-    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    out = _empty_like(q, v.shape[-1])
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return out, lse
 
@@ -195,14 +213,14 @@ def attention_varlen_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_q, cu_k = _to_numpy(cu_seqlens_q), _to_numpy(cu_seqlens_k)
     if q.is_cuda:
         from . import gpu
-        c = [x.contiguous() for x in (q, k, v, out, lse, dout)]
-        return gpu.attention_varlen_backward(*c, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
+        return gpu.attention_varlen_backward(q, k, v, out, lse.contiguous(), dout, cu_q, cu_k,
+                                             max_seqlen_q=max_seqlen_q,
                                              max_seqlen_k=max_seqlen_k,
                                              deterministic=deterministic, **var)
     from .varlen import simulate_varlen_backward
     g = simulate_varlen_backward(*(_to_numpy(x) for x in (q, k, v, out, lse, dout)), cu_q,
                                  cu_k, block_sizes=_whole(cu_q, cu_k), **var)
-    return _from_numpy(g.dq, q), _from_numpy(g.dk, k), _from_numpy(g.dv, v)
+    return _like(g.dq, q), _like(g.dk, k), _like(g.dv, v)
 
 
 @attention_varlen_bwd.register_fake
@@ -220,8 +238,7 @@ def _setup_varlen(ctx, inputs, output):
 
 def _backward_varlen(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = attention_varlen_bwd(q, k, v, out, lse, dout.contiguous(), cu_q, cu_k,
-                                      *ctx.rest)
+    dq, dk, dv = attention_varlen_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.rest)
     return (dq, dk, dv) + (None,) * 11
 
 

@@ -74,6 +74,31 @@ struct Band {
     }
 };
 
+// -- where the rows are: strided tensors (the flash2 kernels) -------------------------
+// Q, K, V, O and the gradients are read and written through strides, so PyTorch's
+// (B, N, H, d) layouts, a packed batch's (total, H, d) and slices of a fused QKV tensor
+// need no copy: row r of query problem p in tensor t starts at element
+// at[p·AT_NUM + t] + r·ld_t, its d (or dv) elements contiguous; ld_t is a kernel
+// parameter. flashsim.gpu builds the table once per shapes and strides
+// (flashsim/gpu/_arrays.py: rows_table); the K and V columns also say which K/V problem a
+// query problem reads (GQA groups, broadcast batch axes). The fp32 tensors the kernels
+// make for themselves (L, D, dQacc) stay dense: (problems, Nq[, d]).
+enum AtColumn { AT_Q, AT_K, AT_V, AT_O, AT_dO, AT_dQ, AT_dK, AT_dV, AT_NUM };
+__device__ __forceinline__ long long at_row0(const long long* at, int p, int t) {
+    return at[(long long)p * AT_NUM + t];
+}
+// The same, read where it is used: a volatile load, which the compiler neither hoists out
+// of a loop nor keeps in registers across one (the fast rungs' loops have none to spare)
+__device__ __forceinline__ long long at_row0_here(const long long* at, int p, int t) {
+#ifndef FLASHSIM_HOST
+    long long v;
+    asm volatile("ld.global.nc.s64 %0, [%1];\n" : "=l"(v) : "l"(at + (long long)p * AT_NUM + t));
+    return v;
+#else
+    return at_row0(at, p, t);
+#endif
+}
+
 // -- packed variable-length batches (flashsim.varlen) -----------------------------------
 // A dense launch runs problems of Nq × Nk, tile blockIdx.x of each. A varlen launch (vl not
 // null) runs the sequences of a packed batch laid out as (problems, total rows, ·): the
@@ -272,13 +297,13 @@ inline bool count_thread() { return threadIdx.x == 0; }
 #endif
 
 // -- the forward's Q tile (tensor-core rungs) ------------------------------------------
-// A Q tile of `rows` rows (from row q_row of O, L) that sees no key writes O_i = 0 and
+// A Q tile of `rows` rows (O_i, row stride ldo, and L_i) that sees no key writes O_i = 0 and
 // L_i = −∞ and moves nothing else; the CTA's THREADS threads share the writes.
 template <typename T, int D, int THREADS>
-__device__ __forceinline__ void fwd_tile_unseen(T* O, float* L, long long q_row, int rows,
+__device__ __forceinline__ void fwd_tile_unseen(T* Oi, int ldo, float* Li, int rows,
                                                 unsigned long long* io) {
-    for (int x = threadIdx.x; x < rows * D; x += THREADS) O[q_row * D + x] = from_acc<T>(0.0f);
-    for (int r = threadIdx.x; r < rows; r += THREADS) L[q_row + r] = neg_inf<float>();
+    for (int x = threadIdx.x; x < rows * D; x += THREADS) Oi[(long long)(x / D) * ldo + x % D] = from_acc<T>(0.0f);
+    for (int r = threadIdx.x; r < rows; r += THREADS) Li[r] = neg_inf<float>();
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));    // SRAM→HBM: O_i (Br·d)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
 }

@@ -18,8 +18,9 @@
 //                           of j when sem is given: the deterministic mode).
 //   flash2_bwd_postprocess<T> backward post-pass: dQ = dQacc in the I/O type.
 // T ∈ {__half, __nv_bfloat16, float, double}; arithmetic in AccOf<T> (float; double for
-// double). Layout: Q, O (problems, Nq, d|dv); K, V (kv problems, Nk, d|dv) with
-// kv_index[p] naming the K/V problem of query problem p (GQA groups, broadcast batch).
+// double). Layout: strided (common.cuh's at table and row strides ld): row r of query
+// problem p of Q, O, dO, dQ, dK, dV and of the K/V problem it reads (GQA groups,
+// broadcast batch) wherever the caller's tensors hold it; L, D, dQacc (problems, Nq[, d]).
 // flash2_fwd and flash2_bwd_main also run packed variable-length batches (vl not null:
 // common.cuh's seq_of): the problems are heads over (heads, total rows, ·), each CTA one
 // real tile of one sequence, the pre- and post-pass one problem of all the rows.
@@ -33,9 +34,9 @@
 
 template <typename T>
 __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
-                           const T* __restrict__ V, const int* __restrict__ kv_index,
+                           const T* __restrict__ V, const long long* __restrict__ at,
                            T* __restrict__ O, float* __restrict__ L,
-                           int Nq, int Nk, int d, int dv, int Br, int Bc, int left, int right,
+                           int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int d, int dv, int Br, int Bc, int left, int right,
                            typename AccOf<T>::type scale, typename AccOf<T>::type softcap,
                            const float* __restrict__ slopes, const int* __restrict__ vl,
                            unsigned long long* io) {
@@ -56,13 +57,12 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     const int i = sq.tile, p = blockIdx.y;
     const int nq = sq.Nq, nk = sq.Nk;                 // this sequence's lengths
     const int i0 = i * Br, rows = min(Br, nq - i0);
-    const long long q_row = (long long)p * Nq + sq.q0 + i0;
-    const T* Qi = Q + q_row * d;
-    T* Oi = O + q_row * dv;
+    const long long q_row = (long long)p * Nq + sq.q0 + i0;          // of L
+    const T* Qi = Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq;
+    T* Oi = O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo;
     float* Li = L + q_row;
-    const long long kv = kv_index[p];
-    const T* Kp = K + (kv * Nk + sq.k0) * d;
-    const T* Vp = V + (kv * Nk + sq.k0) * dv;
+    const T* Kp = K + at_row0(at, p, AT_K) + sq.k0 * (long long)ldk;
+    const T* Vp = V + at_row0(at, p, AT_V) + sq.k0 * (long long)ldv;
     const Band band{left, right, nk - nq};
     // slopes per query problem, or per (sequence, problem) in a packed batch
     const A slope = slopes == nullptr ? A(0) : (A)slopes[(long long)sq.b * gridDim.y + p];
@@ -71,13 +71,13 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
 
     if (jhi < jlo) {  // no row of this tile sees a key: O_i = 0, L_i = −∞, nothing read
-        for (int x = tid; x < rows * dv; x += nt) Oi[x] = from_acc<T>(A(0));
+        for (int x = tid; x < rows * dv; x += nt) Oi[(long long)(x / dv) * ldo + x % dv] = from_acc<T>(A(0));
         for (int r = tid; r < rows; r += nt) Li[r] = neg_inf<float>();
         COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));   // SRAM→HBM: O_i (Br·dv)
         COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
         return;
     }
-    for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Qi[x]);
+    for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Qi[(long long)(x / d) * ldq + x % d]);
     COUNT_IO(io, IO_Q_R, (long long)rows * d * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
     for (int x = tid; x < rows * dv; x += nt) sO[x] = A(0);
     for (int r = tid; r < rows; r += nt) { sm[r] = neg_inf<A>(); sl[r] = A(0); }
@@ -85,8 +85,8 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     for (int j = jlo; j <= jhi; ++j) {
         const int j0 = j * Bc, cols = min(Bc, nk - j0);
         __syncthreads();  // the last step is done with sK, sV, sS
-        for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kp[(long long)j0 * d + x]);
-        for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vp[(long long)j0 * dv + x]);
+        for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kp[(long long)(j0 + x / d) * ldk + x % d]);
+        for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vp[(long long)(j0 + x / dv) * ldv + x % dv]);
         COUNT_IO(io, IO_K_R, (long long)cols * d * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
         COUNT_IO(io, IO_V_R, (long long)cols * dv * sizeof(T));   // HBM→SRAM: V_j (Bc·dv)
         __syncthreads();
@@ -125,7 +125,7 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
     __syncthreads();
     for (int x = tid; x < rows * dv; x += nt) {                   // diag(ℓ)^−1 O_i, once
         const A l = sl[x / dv];
-        Oi[x] = from_acc<T>(l > A(0) ? sO[x] / l : A(0));
+        Oi[(long long)(x / dv) * ldo + x % dv] = from_acc<T>(l > A(0) ? sO[x] / l : A(0));
     }
     for (int r = tid; r < rows; r += nt)
         Li[r] = sl[r] > A(0) ? (float)(sm[r] + log_acc(sl[r])) : neg_inf<float>();
@@ -135,16 +135,22 @@ __global__ void flash2_fwd(const T* __restrict__ Q, const T* __restrict__ K,
 
 template <typename T>
 __global__ void flash2_bwd_preprocess(const T* __restrict__ O, const T* __restrict__ dO,
+                                      const long long* __restrict__ at,
                                       float* __restrict__ D, float* __restrict__ dQacc,
-                                      int Nq, int d, int dv, int Br, unsigned long long* io) {
+                                      int Nq, int ldo, int lddo, int d, int dv, int Br,
+                                      unsigned long long* io) {
     using A = typename AccOf<T>::type;
     const int tid = threadIdx.x, nt = blockDim.x;
     const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
-    const long long row = (long long)blockIdx.y * Nq + i0;
+    const long long row = (long long)blockIdx.y * Nq + i0;        // of D, dQacc
+    const T* Oi = O + at_row0(at, blockIdx.y, AT_O) + (long long)i0 * ldo;
+    const T* dOi = dO + at_row0(at, blockIdx.y, AT_dO) + (long long)i0 * lddo;
     for (int r = tid; r < rows; r += nt) {                        // D_i = rowsum(dO_i ∘ O_i)
         A acc = A(0);
-        for (int k = 0; k < dv; ++k)
-            acc += to_acc<A>(dO[(row + r) * dv + k]) * to_acc<A>(O[(row + r) * dv + k]);
+        const T* o = Oi + (long long)r * ldo;
+        const T* g = dOi + (long long)r * lddo;
+#pragma unroll 1
+        for (int k = 0; k < dv; ++k) acc += to_acc<A>(g[k]) * to_acc<A>(o[k]);
         D[row + r] = (float)acc;
     }
     for (long long x = tid; x < (long long)rows * d; x += nt) dQacc[row * d + x] = 0.0f;
@@ -156,11 +162,12 @@ __global__ void flash2_bwd_preprocess(const T* __restrict__ O, const T* __restri
 
 template <typename T>
 __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K,
-                                const T* __restrict__ V, const int* __restrict__ kv_index,
+                                const T* __restrict__ V, const long long* __restrict__ at,
                                 const T* __restrict__ dO, const float* __restrict__ L,
                                 const float* __restrict__ D, float* __restrict__ dQacc,
                                 T* __restrict__ dK, T* __restrict__ dV,
-                                int Nq, int Nk, int d, int dv, int Br, int Bc, int left,
+                                int Nq, int Nk, int ldq, int ldk, int ldv, int lddo, int lddk,
+                                int lddv, int d, int dv, int Br, int Bc, int left,
                                 int right, typename AccOf<T>::type scale,
                                 typename AccOf<T>::type softcap,
                                 const float* __restrict__ slopes, int* __restrict__ sem,
@@ -184,11 +191,11 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
     const int j = sq.tile, p = blockIdx.y;
     const int nq = sq.Nq, nk = sq.Nk;
     const int j0 = j * Bc, cols = min(Bc, nk - j0);
-    const long long kv = kv_index[p];
-    const T* Kj = K + (kv * Nk + sq.k0 + j0) * d;
-    const T* Vj = V + (kv * Nk + sq.k0 + j0) * dv;
-    T* dKj = dK + ((long long)p * Nk + sq.k0 + j0) * d;    // per query problem; GQA sums later
-    T* dVj = dV + ((long long)p * Nk + sq.k0 + j0) * dv;
+    const T* Kj = K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk;
+    const T* Vj = V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv;
+    // per query problem (GQA: the caller sums each group's afterwards)
+    T* dKj = dK + at_row0(at, p, AT_dK) + (sq.k0 + j0) * (long long)lddk;
+    T* dVj = dV + at_row0(at, p, AT_dV) + (sq.k0 + j0) * (long long)lddv;
     const Band band{left, right, nk - nq};
     const A slope = slopes == nullptr ? A(0) : (A)slopes[(long long)sq.b * gridDim.y + p];
     const Scores<A> score{softcap, slope, nk - nq};
@@ -198,17 +205,19 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
     for (int x = tid; x < cols * d; x += nt) sdK[x] = A(0);
     for (int x = tid; x < cols * dv; x += nt) sdV[x] = A(0);
     if (ihi >= ilo) {
-        for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kj[x]);
-        for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vj[x]);
+        for (int x = tid; x < cols * d; x += nt) sK[x] = to_acc<A>(Kj[(long long)(x / d) * ldk + x % d]);
+        for (int x = tid; x < cols * dv; x += nt) sV[x] = to_acc<A>(Vj[(long long)(x / dv) * ldv + x % dv]);
         COUNT_IO(io, IO_K_R, (long long)cols * d * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
         COUNT_IO(io, IO_V_R, (long long)cols * dv * sizeof(T));   // HBM→SRAM: V_j (Bc·dv)
     }
     for (int i = ilo; i <= ihi; ++i) {
         const int i0 = i * Br, rows = min(Br, nq - i0);
-        const long long q_row = (long long)p * Nq + sq.q0 + i0;
+        const long long q_row = (long long)p * Nq + sq.q0 + i0;  // of L, D, dQacc
+        const T* Qi = Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq;
+        const T* dOi = dO + at_row0(at, p, AT_dO) + (sq.q0 + i0) * (long long)lddo;
         __syncthreads();  // the last step is done with sQ, sdO, sP, sdS
-        for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Q[q_row * d + x]);
-        for (int x = tid; x < rows * dv; x += nt) sdO[x] = to_acc<A>(dO[q_row * dv + x]);
+        for (int x = tid; x < rows * d; x += nt) sQ[x] = to_acc<A>(Qi[(long long)(x / d) * ldq + x % d]);
+        for (int x = tid; x < rows * dv; x += nt) sdO[x] = to_acc<A>(dOi[(long long)(x / dv) * lddo + x % dv]);
         for (int r = tid; r < rows; r += nt) { sL[r] = (A)L[q_row + r]; sD[r] = (A)D[q_row + r]; }
         COUNT_IO(io, IO_Q_R, (long long)rows * d * sizeof(T));    // HBM→SRAM: Q_i (Br·d)
         COUNT_IO(io, IO_dO_R, (long long)rows * dv * sizeof(T));  // HBM→SRAM: dO_i (Br·dv)
@@ -238,20 +247,22 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
         COUNT_IO(io, IO_dQacc_W, (long long)rows * d * 4);        // SRAM→HBM: dQacc_i (Br·d fp32)
     }
     __syncthreads();
-    for (int x = tid; x < cols * d; x += nt) dKj[x] = from_acc<T>(sdK[x]);
-    for (int x = tid; x < cols * dv; x += nt) dVj[x] = from_acc<T>(sdV[x]);
+    for (int x = tid; x < cols * d; x += nt) dKj[(long long)(x / d) * lddk + x % d] = from_acc<T>(sdK[x]);
+    for (int x = tid; x < cols * dv; x += nt) dVj[(long long)(x / dv) * lddv + x % dv] = from_acc<T>(sdV[x]);
     COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
     COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));      // SRAM→HBM: dV_j (Bc·dv)
 }
 
 template <typename T>
 __global__ void flash2_bwd_postprocess(const float* __restrict__ dQacc, T* __restrict__ dQ,
-                                       int Nq, int d, int Br, unsigned long long* io) {
+                                       const long long* __restrict__ at, int Nq, int lddq,
+                                       int d, int Br, unsigned long long* io) {
     using A = typename AccOf<T>::type;
     const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
-    const long long row = (long long)blockIdx.y * Nq + i0;
+    const long long row = (long long)blockIdx.y * Nq + i0;        // of dQacc
+    T* dQi = dQ + at_row0(at, blockIdx.y, AT_dQ) + (long long)i0 * lddq;
     for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x)
-        dQ[row * d + x] = from_acc<T>((A)dQacc[row * d + x]);
+        dQi[(x / d) * lddq + x % d] = from_acc<T>((A)dQacc[row * d + x]);
     COUNT_IO(io, IO_dQacc_R, (long long)rows * d * 4);            // HBM→SRAM: dQacc_i (Br·d fp32)
     COUNT_IO(io, IO_dQ_W, (long long)rows * d * sizeof(T));       // SRAM→HBM: dQ_i (Br·d)
 }

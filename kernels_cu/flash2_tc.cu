@@ -108,13 +108,14 @@ __device__ __forceinline__ unsigned swz_base(const void* tile, int r, int h) {
 __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
     return (base ^ ((k & 3) << 5)) + ((k >> 2) << 7);
 }
-// rows [0, valid) of a ROWS × D tile from global (row-major, D contiguous) into shared,
-// by THREADS threads, 16 bytes each per pass. The passes are unrolled at compile time and
-// a thread keeps its 16-byte column c in every pass, so its swizzled shared address
-// and its global address move by constants: one predicate, one address select and one
-// cp.async per chunk (a runtime loop with x / CH and x % CH cost ~20 instructions each).
+// rows [0, valid) of a ROWS × D tile from global (rows ld elements apart, D contiguous)
+// into shared, by THREADS threads, 16 bytes each per pass. The passes are unrolled at
+// compile time and a thread keeps its 16-byte column c in every pass, so its swizzled
+// shared address moves by constants and its global one by RPI·ld: one predicate, one
+// address select and one cp.async per chunk (a runtime loop with x / CH and x % CH cost
+// ~20 instructions each).
 template <typename T, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
+__device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid) {
     constexpr int CH = D / 8, RPI = THREADS / CH;   // 16-byte chunks per row, rows per pass
     static_assert(THREADS % CH == 0, "a pass must cover whole rows");
     // tid read through volatile asm: the compiler may not hoist it, and so keeps no
@@ -128,7 +129,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
         const bool ok = r < valid;
         // RPI is a multiple of 8, so r & 7 = r0 & 7 in every pass
         const int sc = RPI % 8 == 0 ? c ^ (r0 & 7) : c ^ (r & 7);
-        cp_async16(s + r * D + (sc << 3), g + (ok ? r * D + c * 8 : 0), ok);
+        cp_async16(s + r * D + (sc << 3), g + (ok ? r * ld + c * 8 : 0), ok);
     }
 }
 
@@ -137,8 +138,8 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int valid) {
 template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-              const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int left, int right, float scale_log2, float k_in, float k_out,
+              const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
+              int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int left, int right, float scale_log2, float k_in, float k_out,
               const float* __restrict__ slopes, const int* __restrict__ vl,
               unsigned long long* io) {
     using namespace tc;
@@ -160,9 +161,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Seq sq = seq_at<VL>(vl, gridDim.x - 1 - blockIdx.x, Nq, Nk, Br);
     const int i = sq.tile, nq = sq.Nq, nk = sq.Nk;
     const int i0 = i * Br, rows = min(Br, nq - i0);
-    const long long q_row = (long long)p * Nq + sq.q0 + i0;
-    const long long kv = kv_index[p];
-    const long long kv_off = (kv * Nk + sq.k0) * D; // K_p and V_p start here (one register pair)
+    const long long q_row = (long long)p * Nq + sq.q0 + i0;     // of L
+    // the sequence's first key in K_p and V_p (strided: common.cuh's at table)
+    const T* Kp = K + at_row0(at, p, AT_K) + sq.k0 * (long long)ldk;
+    const T* Vp = V + at_row0(at, p, AT_V) + sq.k0 * (long long)ldv;
     const Band band{left, right, nk - nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
@@ -171,24 +173,31 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // template argument, not a run-time test, so the plain instance keeps every register
     // it had (a run-time branch made it spill)
     const float sl2 = VAR ? 1.f : scale_log2;
-    // VL: inside the loop the sequence's key count is read from shared memory (again
-    // after each barrier); held in a register it made the d = 128 instance spill. Dense:
-    // the parameter Nk. Written before the barrier that follows Q's load.
+    // VL: inside the loop the sequence's key count and its K/V rows are read from shared
+    // memory (again after each barrier); held in registers they made the d = 128 instance
+    // spill. Dense: the parameter Nk and registers. Written before the barrier that
+    // follows Q's load.
     __shared__ int s_nk;
-    if (VL && threadIdx.x == 0) s_nk = nk;
+    __shared__ const T* s_kv[2];
+    if (VL && threadIdx.x == 0) {
+        s_nk = nk;
+        s_kv[0] = Kp;
+        s_kv[1] = Vp;
+    }
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        fwd_tile_unseen<T, D, 32 * warps<D>()>(O, L, q_row, rows, io);
+        fwd_tile_unseen<T, D, 32 * warps<D>()>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo,
+                                               ldo, L + q_row, rows, io);
         return;
     }
     fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
 
-    load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + q_row * D, rows);                 // HBM→SRAM: Q_i (Br·d)
+    load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows);   // HBM→SRAM: Q_i (Br·d)
     cp_async_commit();
     {
         const int j0 = jlo * Bc, cols = min(Bc, nk - j0);
-        load_tile<T, D, Bc, 32 * warps<D>()>(sK, K + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: K_j (Bc·d)
-        load_tile<T, D, Bc, 32 * warps<D>()>(sV, V + kv_off + (long long)j0 * D, cols);    // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sK, Kp + (long long)j0 * ldk, ldk, cols);    // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sV, Vp + (long long)j0 * ldv, ldv, cols);    // HBM→SRAM: V_j (Bc·d)
         cp_async_commit();
     }
     cp_async_wait<1>();                              // Q has landed
@@ -227,8 +236,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // stream tile j+1 into the other buffer behind tile j
         auto prefetch = [&]() {
             const int j0n = (j + 1) * Bc, colsn = min(Bc, (VL ? s_nk : Nk) - j0n);
-            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, K + kv_off + (long long)j0n * D, colsn);
-            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, V + kv_off + (long long)j0n * D, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, (VL ? s_kv[0] : Kp) + (long long)j0n * ldk, ldk, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, (VL ? s_kv[1] : Vp) + (long long)j0n * ldv, ldv, colsn);
             cp_async_commit();
         };
         if constexpr (!LATE) {
@@ -368,8 +377,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const int row_end = (tid_end >> 5) * RW + ((tid_end & 31) >> 2);
     const Seq se = seq_at<VL>(vl, nbx - 1 - bx, Nq, Nk, Br);
     const int i0e = se.tile * Br, rows_e = min(Br, se.Nq - i0e);
-    const long long q_row_e = (long long)by * Nq + se.q0 + i0e;
-    T* Oi = O + q_row_e * D;
+    const long long q_row_e = (long long)by * Nq + se.q0 + i0e;   // of L
+    T* Oi = O + at_row0(at, by, AT_O) + (se.q0 + i0e) * (long long)ldo;
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
         const int r0 = row_end + mi * 16, r1 = r0 + 8;
@@ -380,10 +389,10 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         for (int t = 0; t < D / 8; ++t) {
             const int c = t * 8 + tig * 2;
             if (r0 < rows_e)
-                *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) =
+                *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) =
                     pack<T>(o[mi][t][0] * inv0, o[mi][t][1] * inv0);
             if (r1 < rows_e)
-                *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) =
+                *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) =
                     pack<T>(o[mi][t][2] * inv1, o[mi][t][3] * inv1);
         }
         if (tig == 0) {
@@ -448,10 +457,10 @@ __device__ __forceinline__ void add2(float* x, float a, float b) {
 template <typename T, int D, bool DET, bool VAR, bool VL>
 __device__ __forceinline__ void
 bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-       const int* __restrict__ kv_index, const T* __restrict__ dO,
+       const long long* __restrict__ at, const T* __restrict__ dO,
        const float* __restrict__ L, const float* __restrict__ Dv,
        float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-       int Nq, int Nk, int left, int right, float scale, float k_in, float k_out,
+       int Nq, int Nk, int ldq, int ldk, int ldv, int lddo, int lddk, int lddv, int left, int right, float scale, float k_in, float k_out,
        const float* __restrict__ slopes, int* __restrict__ sem, const int* __restrict__ vl,
        unsigned long long* io) {
     using namespace tc;
@@ -490,7 +499,6 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     const Seq sq = seq_at<VL>(vl, DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, Nq, Nk, BrB);
     const int j = sq.tile, nq = sq.Nq, nk = sq.Nk;
     const int j0 = j * Bc, cols = min(Bc, nk - j0);
-    const long long kv = kv_index[p];
     const Band band{left, right, nk - nq};
     // VAR (softcap and ALiBi): P from the finished scores, and dS through the softcap's
     // derivative 1 − tanh² (the scale is applied to dQ and dK at the end, as without)
@@ -524,11 +532,21 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
 #pragma unroll
             for (int e = 0; e < 4; ++e) dv[mt][t][e] = dk[mt][t][e] = 0.f;
 
-    auto load_q_step = [&](int i, int buf) {
+    // the sequence's first rows in Q_p and dO_p (strided: common.cuh's at table). Inside
+    // the loop they are read from shared memory, written here and read after the loop's
+    // first barrier: held in registers across it they made ptxas spill
+    const T* Qs = Q + at_row0(at, p, AT_Q) + sq.q0 * (long long)ldq;
+    const T* dOs = dO + at_row0(at, p, AT_dO) + sq.q0 * (long long)lddo;
+    __shared__ const T* s_qdo[2];
+    if (tid == 0) {
+        s_qdo[0] = Qs;
+        s_qdo[1] = dOs;
+    }
+    auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
         const int i0 = i * BrB, rows = min(BrB, nq - i0);
-        const long long q_row = (long long)p * Nq + sq.q0 + i0;
-        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Q + q_row * D, rows);
-        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dO + q_row * D, rows);
+        const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
+        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Qs + (long long)i0 * ldq, ldq, rows);
+        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dOs + (long long)i0 * lddo, lddo, rows);
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
         // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
         for (int r = tid; r < BrB; r += THREADS) {
@@ -540,10 +558,10 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     };
 
     if (ihi >= ilo) {
-        load_tile<T, D, Bc, THREADS>(sK, K + (kv * Nk + sq.k0 + j0) * D, cols);
-        load_tile<T, D, Bc, THREADS>(sV, V + (kv * Nk + sq.k0 + j0) * D, cols);
+        load_tile<T, D, Bc, THREADS>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols);
+        load_tile<T, D, Bc, THREADS>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols);
         cp_async_commit();
-        load_q_step(ilo, 0);
+        load_q_step(ilo, 0, Qs, dOs);
     }
     for (int i = ilo; i <= ihi; ++i) {
         const int buf = (i - ilo) & 1;
@@ -552,7 +570,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
         // still reads buffer buf ^ 1 (step i − 1), Pᵀ or dSᵀ, so step i + 1 may stream in
         cp_async_wait<0>();
         __syncthreads();
-        if (i < ihi) load_q_step(i + 1, buf ^ 1);
+        if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
 
         // 1. Sᵀ and dPᵀ: m = the warp's 32 keys (2 m-tiles), n = its BrB/2 queries, k = D
         {
@@ -678,7 +696,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
         //    k = Bc keys (.trans: dS from dSᵀ, K_j's rows are keys)
         {
             const long long q_row = (long long)p * Nq + sq.q0 + i0;
-            int* turn = sem + ((long long)p * ((Nq + BrB - 1) / BrB) + i);
+            // (the problem re-read from the special register: p held here cost a spill)
+            int* turn = sem + ((long long)opaque_ctaid_y() * ((Nq + BrB - 1) / BrB) + i);
             if constexpr (DET && VL) {   // the turns of the sequence's Q tiles, per problem
                 const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
                 turn = sem + ((long long)p * st.tiles + st.t0 + i);
@@ -740,8 +759,9 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     }
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
-    T* dKj = dK + ((long long)p * Nk + sq.k0 + j0) * D;
-    T* dVj = dV + ((long long)p * Nk + sq.k0 + j0) * D;
+    // (the table read here, not hoisted above the loop into registers it needs)
+    T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
+    T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
         const int r0 = k0 + mt * 16, r1 = r0 + 8;
@@ -749,12 +769,12 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
         for (int t = 0; t < DN; ++t) {
             const int c = wh * (D / 2) + t * 8 + tig * 2;
             if (r0 < cols) {
-                *reinterpret_cast<unsigned*>(dKj + (long long)r0 * D + c) = pack<T>(scale * dk[mt][t][0], scale * dk[mt][t][1]);
-                *reinterpret_cast<unsigned*>(dVj + (long long)r0 * D + c) = pack<T>(dv[mt][t][0], dv[mt][t][1]);
+                *reinterpret_cast<unsigned*>(dKj + (long long)r0 * lddk + c) = pack<T>(scale * dk[mt][t][0], scale * dk[mt][t][1]);
+                *reinterpret_cast<unsigned*>(dVj + (long long)r0 * lddv + c) = pack<T>(dv[mt][t][0], dv[mt][t][1]);
             }
             if (r1 < cols) {
-                *reinterpret_cast<unsigned*>(dKj + (long long)r1 * D + c) = pack<T>(scale * dk[mt][t][2], scale * dk[mt][t][3]);
-                *reinterpret_cast<unsigned*>(dVj + (long long)r1 * D + c) = pack<T>(dv[mt][t][2], dv[mt][t][3]);
+                *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk[mt][t][2], scale * dk[mt][t][3]);
+                *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv[mt][t][2], dv[mt][t][3]);
             }
         }
     }
@@ -764,13 +784,14 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
 
 #define FLASHSIM_BWD_TC_PARAMS                                                              \
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,             \
-    const int* __restrict__ kv_index, const T* __restrict__ dO,                            \
+    const long long* __restrict__ at, const T* __restrict__ dO,                            \
     const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
-    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int left, int right,           \
+    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int ldq, int ldk, int ldv,     \
+    int lddo, int lddk, int lddv, int left, int right,                                     \
     float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
     int* __restrict__ sem, const int* __restrict__ vl,                                     \
     unsigned long long* io
-#define FLASHSIM_BWD_TC_ARGS Q, K, V, kv_index, dO, L, Dv, dQacc, dK, dV, Nq, Nk, left, right, scale, k_in, k_out, slopes, sem, vl, io
+#define FLASHSIM_BWD_TC_ARGS Q, K, V, at, dO, L, Dv, dQacc, dK, dV, Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv, left, right, scale, k_in, k_out, slopes, sem, vl, io
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
 template <typename T, int D, bool VAR, bool VL>
@@ -796,17 +817,20 @@ constexpr int PRE_BR = 64, PRE_THREADS = 128;
 template <typename T, int D>
 __global__ void __launch_bounds__(tcb::PRE_THREADS)
 flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
-                         float* __restrict__ Dv, float* __restrict__ dQacc, int Nq,
+                         const long long* __restrict__ at, float* __restrict__ Dv,
+                         float* __restrict__ dQacc, int Nq, int ldo, int lddo,
                          unsigned long long* io) {
     constexpr int LPR = D / 8, RPP = tcb::PRE_THREADS / LPR;    // lanes per row, rows per pass
     const int i0 = blockIdx.x * tcb::PRE_BR, rows = min(tcb::PRE_BR, Nq - i0);
-    const long long row = (long long)blockIdx.y * Nq + i0;
+    const long long row = (long long)blockIdx.y * Nq + i0;     // of D, dQacc
+    const T* Oi = O + at_row0(at, blockIdx.y, AT_O) + (long long)i0 * ldo;
+    const T* dOi = dO + at_row0(at, blockIdx.y, AT_dO) + (long long)i0 * lddo;
     const int c = threadIdx.x % LPR;
     for (int r = threadIdx.x / LPR; r < tcb::PRE_BR; r += RPP) {   // every lane of a row group
         float acc = 0.f;                                            // reaches the shuffles
         if (r < rows) {
-            const uint4 o = *reinterpret_cast<const uint4*>(O + (row + r) * D + c * 8);
-            const uint4 g = *reinterpret_cast<const uint4*>(dO + (row + r) * D + c * 8);
+            const uint4 o = *reinterpret_cast<const uint4*>(Oi + (long long)r * ldo + c * 8);
+            const uint4 g = *reinterpret_cast<const uint4*>(dOi + (long long)r * lddo + c * 8);
             const T* oe = reinterpret_cast<const T*>(&o);
             const T* ge = reinterpret_cast<const T*>(&g);
 #pragma unroll

@@ -57,11 +57,12 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// rows [0, valid) of a ROWS × D tile (global: row-major, D contiguous) into the swizzled
-// layout above, 16 bytes per thread per pass; a thread keeps its chunk column in every
-// pass (THREADS / (D/8) rows per pass, a multiple of 8, so its swizzle is fixed too)
+// rows [0, valid) of a ROWS × D tile (global: rows ld elements apart, D contiguous) into
+// the swizzled layout above, 16 bytes per thread per pass; a thread keeps its chunk
+// column in every pass (THREADS / (D/8) rows per pass, a multiple of 8, so its swizzle is
+// fixed too)
 template <typename T, int D, int ROWS>
-__device__ __forceinline__ void load_tile(unsigned s, const T* g, int valid) {
+__device__ __forceinline__ void load_tile(unsigned s, const T* g, int ld, int valid) {
     constexpr int CH = D / 8, RPI = THREADS / CH;
     static_assert(RPI % 8 == 0, "a pass must cover whole 8-row groups");
     unsigned tid;
@@ -73,7 +74,7 @@ __device__ __forceinline__ void load_tile(unsigned s, const T* g, int valid) {
         const int r = r0 + it * RPI;
         if (ROWS % RPI != 0 && r >= ROWS) break;     // only when the passes overshoot
         const bool ok = r < valid;
-        cp_async16(dst + it * RPI * 128, g + (ok ? r * D + c * 8 : 0), ok);
+        cp_async16(dst + it * RPI * 128, g + (ok ? r * ld + c * 8 : 0), ok);
     }
 }
 
@@ -186,8 +187,8 @@ FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
 template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-              const int* __restrict__ kv_index, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int left, int right, float scale_log2, float k_in, float k_out,
+              const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
+              int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int left, int right, float scale_log2, float k_in, float k_out,
               const float* __restrict__ slopes, const int* __restrict__ vl,
               unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -210,15 +211,25 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Seq sq = seq_at<VL>(vl, gridDim.x - 1 - blockIdx.x, Nq, Nk, Br);
     const int i = sq.tile, nq = sq.Nq, nk = sq.Nk;
     const int i0 = i * Br, rows = min(Br, nq - i0);
-    const long long q_row = (long long)p * Nq + sq.q0 + i0;
-    const long long kv_off = ((long long)kv_index[p] * Nk + sq.k0) * D;
+    const long long q_row = (long long)p * Nq + sq.q0 + i0;     // of L
+    // the sequence's first key in K_p and V_p (strided: common.cuh's at table)
+    const T* Kp = K + at_row0(at, p, AT_K) + sq.k0 * (long long)ldk;
+    const T* Vp = V + at_row0(at, p, AT_V) + sq.k0 * (long long)ldv;
+    // VL: the loop reads them from shared memory (after its barriers); in registers they
+    // made the d = 64 varlen build spill under its 128-register bound
+    __shared__ const T* s_kv[2];
+    if (VL && threadIdx.x == 0) {
+        s_kv[0] = Kp;
+        s_kv[1] = Vp;
+    }
     const Band band{left, right, nk - nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
     const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        fwd_tile_unseen<T, D, THREADS>(O, L, q_row, rows, io);
+        fwd_tile_unseen<T, D, THREADS>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo, ldo,
+                                       L + q_row, rows, io);
         return;
     }
     fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
@@ -321,10 +332,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // softmax while the second product runs, then waits for it and scales O_i. Loads run
     // one step ahead: K_j and V_{j−1} are waited for at the top of step j, behind which
     // K_{j+1} and V_j stream in. Buffers: K_j and V_j in (j − jlo) & 1.
-    load_tile<T, D, Br>(sQ, Q + q_row * D, rows);                                  // HBM→SRAM: Q_i (Br·d)
+    load_tile<T, D, Br>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows);   // HBM→SRAM: Q_i (Br·d)
     {
         const int j0 = jlo * Bc;
-        load_tile<T, D, Bc>(sK, K + kv_off + (long long)j0 * D, min(Bc, nk - j0));   // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc>(sK, Kp + (long long)j0 * ldk, ldk, min(Bc, nk - j0));   // HBM→SRAM: K_j (Bc·d)
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -332,9 +343,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     __syncthreads();
     {
         const int j0 = jlo * Bc;
-        load_tile<T, D, Bc>(sV, V + kv_off + (long long)j0 * D, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc>(sV, Vp + (long long)j0 * ldv, ldv, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
         if (jlo < jhi)
-            load_tile<T, D, Bc>(sK + Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, nk - j0 - Bc));
+            load_tile<T, D, Bc>(sK + Bc * D * 2, Kp + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc));
         cp_async_commit();
     }
     wgmma_fence();
@@ -355,9 +366,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                                                      // step j − 2 are read by everyone
         {
             const int j0 = j * Bc;
-            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, V + kv_off + (long long)j0 * D, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
+            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, (VL ? s_kv[1] : Vp) + (long long)j0 * ldv, ldv, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
             if (j < jhi)                             // HBM→SRAM: K_{j+1} (Bc·d)
-                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, K + kv_off + (long long)(j0 + Bc) * D, min(Bc, nk - j0 - Bc));
+                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, (VL ? s_kv[0] : Kp) + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc));
             cp_async_commit();
         }
         fence_regs<Bc / 2>(s);
@@ -390,7 +401,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     fence_regs<D / 2>(o);
 
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i
-    T* Oi = O + q_row * D;
+    T* Oi = O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo;
     quad_sum(l0, l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
     const int r1 = r0 + 8;
@@ -398,9 +409,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     for (int t = 0; t < D / 8; ++t) {
         const int c = t * 8 + tig * 2;
         if (r0 < rows)
-            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * D + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
+            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
         if (r1 < rows)
-            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * D + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
+            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
     }
     if (tig == 0) {
         constexpr float LN2 = 0.6931471805599453f;

@@ -11,7 +11,8 @@ fast and the instrumented builds, every rung that runs on the device, forward an
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
 into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
 (kernels_cu/splitkv_tc.cu), packed varlen batches (every rung), FlashAttention-1,
-standard attention and square tiles (flash1_ref.cu, standard_ref.cu, square_ref.cu).
+standard attention and square tiles (flash1_ref.cu, standard_ref.cu, square_ref.cu),
+and inputs read through their strides (slices of a fused QKV, dense and packed).
 """
 
 import sys
@@ -91,6 +92,7 @@ def main(n_cases: int = 8) -> int:
     launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
     launches += varlen(rng, n_cases, dtypes)
     launches += paper_algorithms(rng, n_cases, dtypes)
+    launches += strided()
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
@@ -125,6 +127,19 @@ def varlen(rng, n_cases, dtypes):
                 launches += 4
     return launches + varlen_fast(rng, n_cases, [t for t in dtypes
                                                  if t in ("float16", "bfloat16")])
+
+
+def strided():
+    """test_gpu.check_strided on every rung, with and without GQA: slices of a fused QKV
+    read in place, dense and packed, forward and both backward modes."""
+    sys.path.insert(0, "tests")
+    import test_gpu as G
+    launches = 0
+    for kernel, dtype in (("ref", "float32"), ("tc", "float16"), ("auto", "float16")):
+        for hk in (4, 2):
+            G.check_strided(kernel, dtype, hk)
+            launches += 28
+    return launches
 
 
 def varlen_fast(rng, n_cases, dtypes):

@@ -146,6 +146,12 @@ def test_varlen_bad_input_gets_the_simulators_errors_before_any_launch(monkeypat
         fs.gpu.attention_varlen_backward(q, k, k, q[:, :, :8], np.zeros((4, 9)), q, cu_q, cu_k)
 
 
+@pytest.mark.parametrize("kernel, dtype", [("ref", "float32"), ("tc", "float16")])
+@pytest.mark.parametrize("Hk", [4, 2])
+def test_strided_inputs_are_read_in_place(kernel, dtype, Hk):
+    G.check_strided(kernel, dtype, Hk)
+
+
 def test_auto_picks_the_reference_rung_and_the_hopper_rung_is_not_emulated():
     q = np.random.default_rng(0).standard_normal((1, 1, 16, 64)).astype(np.float16)
     assert fs.gpu.block_sizes(q, q) == fs.gpu.block_sizes(q, q, kernel="ref")
@@ -220,14 +226,14 @@ def test_emulation_is_scoped_and_checked():
 def test_a_launch_error_is_raised_not_crashed():
     """Launch checks the emulator makes before running a block (as a driver would)."""
     kern = fs.gpu._device.kernel("flash2_bwd_postprocess", "float32", False)
-    dq = np.zeros((1, 4, 8), np.float32)
+    dq, at = np.zeros((1, 4, 8), np.float32), np.zeros(8, np.int64)
+    ints = (np.int32(4), np.int32(8), np.int32(8), np.int32(4))   # Nq, ld, d, Br
     with pytest.raises(RuntimeError, match="1 to 1024 threads"):
-        kern((1, 1), (2048,), (dq, dq, np.int32(4), np.int32(8), np.int32(4), np.uint64(0)))
+        kern((1, 1), (2048,), (dq, dq, at, *ints, np.uint64(0)))
     with pytest.raises(RuntimeError, match="exceeds"):
-        kern((1, 1), (32,), (dq, dq, np.int32(4), np.int32(8), np.int32(4), np.uint64(0)),
-             shared_mem=10**7)
+        kern((1, 1), (32,), (dq, dq, at, *ints, np.uint64(0)), shared_mem=10**7)
     with pytest.raises(TypeError, match="fixed width"):
-        kern((1, 1), (32,), (dq, dq, 4, np.int32(8), np.int32(4), np.uint64(0)))
+        kern((1, 1), (32,), (dq, dq, at, 4, *ints[1:], np.uint64(0)))
 
 
 def test_torch_cpu_tensors_in_and_out():

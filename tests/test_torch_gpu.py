@@ -146,3 +146,104 @@ def test_flash_attn_with_kvcache_on_the_device(paged):
             row = int(lens[b]) + r
             page, at = (int(table[b, row // P]), row % P) if paged else (b, row)
             assert torch.equal(kd[page, at].cpu(), kn[b, r]) and torch.equal(vd[page, at].cpu(), vn[b, r])
+
+
+def test_strided_layouts_are_read_without_copies():
+    """flash_attn_func on the slices of a fused QKV projection (B, N, 3·H, d): the same
+    bits as on dense copies, out laid out (B, N, H, d), and no allocation of an input's
+    size beyond the outputs, forward and backward (a hidden copy of q, k, v, out or dout
+    would add one each); opcheck on strided inputs (the fakes promise the real layouts)."""
+    import flashsim.torch as fst
+    B, N, H, d = 2, 4096, 16, 128
+    fused = torch.randn(B, N, 3 * H, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = fused.split(H, dim=2)                  # rows 3·H·d apart
+    out = fst.flash_attn_func(q, k, v, causal=True)
+    assert out.is_contiguous()
+    assert torch.equal(out, fst.flash_attn_func(q.contiguous(), k.contiguous(),
+                                                v.contiguous(), causal=True))
+    size, lse_size, MB = q.numel() * 2, B * H * N * 4, 2**20
+
+    def extra(call):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = call()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - base
+
+    with torch.no_grad():
+        _, grew = extra(lambda: fst.flash_attn_func(q, k, v, causal=True))
+    assert grew < size + lse_size + MB, (grew, size)           # out and lse only
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))          # (B, H, N, d) views
+    o, lse = fst.attention_fwd(qt, kt, vt, True, d ** -0.5, False)
+    assert o.transpose(1, 2).is_contiguous()                     # laid out as q is
+    dout = torch.randn_like(o)
+    # dq, dk, dv (size each), dQacc (fp32: 2·size) and D only
+    grads, grew = extra(lambda: fst.attention_bwd(qt, kt, vt, o, lse, dout, True,
+                                                  d ** -0.5, False))
+    assert grew < 5 * size + lse_size + MB, (grew, size)
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
+    dense = [x.contiguous() for x in (qt, kt, vt, o, dout)]
+    a = fst.attention_bwd(qt, kt, vt, o, lse, dout, True, d ** -0.5, True)
+    b = fst.attention_bwd(*dense[:4], lse, dense[4], True, d ** -0.5, True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    small = fused[:, :256].split(H, dim=2)
+    qs, ks, vs = (x.transpose(1, 2) for x in small)
+    torch.library.opcheck(fst.attention_fwd, (qs, ks, vs, True, 0.125, False))
+    os_, ls = fst.attention_fwd(qs, ks, vs, True, 0.125, False)
+    torch.library.opcheck(fst.attention_bwd, (qs, ks, vs, os_, ls, torch.randn_like(os_),
+                                              True, 0.125, False))
+
+
+def _llama_curve(name, steps, batch, seq, backend=None):
+    """Loss per step of a small random Llama-style model (GQA 4/2, d = 64, causal) trained
+    with AdamW under bfloat16 autocast on a counting task (each sequence steps through the
+    vocabulary from a random start by a random stride of 1 to 3, which the model reads
+    off the earlier tokens), from one seed: the same weights and data for every
+    attention."""
+    import contextlib
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=seq)
+    model = transformers.LlamaForCausalLM(cfg).cuda()
+    model.set_attn_implementation(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ctx = (torch.nn.attention.sdpa_kernel(backend) if backend is not None
+           else contextlib.nullcontext())
+    losses = []
+    with ctx:
+        for _ in range(steps):
+            start = torch.randint(0, 256, (batch, 1), device="cuda", generator=g)
+            stride = torch.randint(1, 4, (batch, 1), device="cuda", generator=g)
+            ids = (start + stride * torch.arange(seq, device="cuda")) % 256
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return np.array(losses)
+
+
+def test_hugging_face_training_follows_sdpa():
+    """attn_implementation="fsim" trains 50 steps along SDPA's loss curve within the
+    noise between two SDPA backends (FlashAttention-2 and the math one) on the same
+    weights and data, and learns the task."""
+    pytest.importorskip("transformers")
+    import flashsim.torch as fst
+    from torch.nn.attention import SDPBackend
+    name = fst.register_hf()
+    steps, batch, seq = 50, 8, 512
+    ours = _llama_curve(name, steps, batch, seq)
+    flash = _llama_curve("sdpa", steps, batch, seq, SDPBackend.FLASH_ATTENTION)
+    math_ = _llama_curve("sdpa", steps, batch, seq, SDPBackend.MATH)
+    noise = np.abs(math_ - flash).max()
+    dev = np.abs(ours - flash).max()
+    print(f"\nloss, steps 1, 10, 25, 50: fsim {ours[[0, 9, 24, 49]].round(4)}, sdpa-flash "
+          f"{flash[[0, 9, 24, 49]].round(4)}, sdpa-math {math_[[0, 9, 24, 49]].round(4)}; "
+          f"max |fsim − flash| = {dev:.4f}, max |math − flash| = {noise:.4f}")
+    assert ours[-1] < 0.5 * ours[0]
+    assert dev <= 3 * noise + 0.02, (dev, noise)

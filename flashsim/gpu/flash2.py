@@ -226,7 +226,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                count_io, kernel):
     cp = dev.cupy()
     qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
-    shape, Q, Kd, Vd, kv_index = arrays.layout(qi, ki, vi)
+    shape = arrays.shape_of(qi, ki, vi)
     dtype = qi.dtype
     scale = check_scale(scale, shape.d)
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
@@ -234,11 +234,17 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
     P, Nq = shape.problems, shape.Nq
-    O = arrays.empty(cp, (P, Nq, shape.dv), arrays.storage(cp, dtype), dtype if qi.torch else None)
+    # O laid out as q is (q read through its strides: no copies of (B, N, H, d) inputs)
+    O = arrays.empty(cp, shape.batch_shape + (Nq, shape.dv), arrays.storage(cp, dtype),
+                     dtype if qi.torch else None, like=qi)
     L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
+    at, ld = arrays.rows(cp, shape, {arrays.AT_Q: (qi.arr, "q"), arrays.AT_K: (ki.arr, "k"),
+                                     arrays.AT_V: (vi.arr, "k"), arrays.AT_O: (O, "q")})
+    rows = (qi.arr, ki.arr, vi.arr, at, O, L, np.int32(Nq), np.int32(shape.Nk),
+            *(ld[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O)))
     io = dev.counters(cp, count_io)
     i32 = np.int32
-    if which in ("tc", "wg"):    # one signature: (Q, K, V, kv_index, O, L, Nq, Nk, band, scale)
+    if which in ("tc", "wg"):    # one signature: (Q, K, V, at, O, L, Nq, Nk, ld…, band, scale)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[shape.d]
         else:
@@ -247,19 +253,17 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
         smem = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
         dev.launch(cp, dev.kernel(name, dtype, count_io, shape.d, var),
                    K.grid(name, Nq, shape.Nk, Br, Bc, P), smem,
-                   (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(left), i32(right),
-                    np.float32(scale * LOG2E), *_fast_variants(cp, scale, softcap, slopes),
-                    np.uint64(0), io),
+                   (*rows, i32(left), i32(right), np.float32(scale * LOG2E),
+                    *_fast_variants(cp, scale, softcap, slopes), np.uint64(0), io),
                    threads=threads)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=False)
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
         dev.launch(cp, dev.kernel("flash2_fwd", dtype, count_io),
                 K.grid("flash2_fwd", Nq, shape.Nk, Br, Bc, P), smem,
-                (Q, Kd, Vd, kv_index, O, L, i32(Nq), i32(shape.Nk), i32(shape.d),
-                 i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
+                (*rows, i32(shape.d), i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
                  dev.scalar(dtype, scale), cap, slopes, np.uint64(0), io))
-    out = arrays.out(cp, O.reshape(shape.batch_shape + (Nq, shape.dv)), dtype, qi.torch)
+    out = arrays.out(cp, O, dtype, qi.torch)
     lse = arrays.out(cp, L.reshape(shape.batch_shape + (Nq,)), "float32", qi.torch)
     return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
 
@@ -328,8 +332,9 @@ def saved(cp, shape: Shape, dtype: str, out, lse, dout):
 def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softcap,
                         alibi_slopes, block_sizes, count_io, kernel, deterministic):
     cp = dev.cupy()
-    qi, ki, vi = arrays.In(q, "q"), arrays.In(k, "k"), arrays.In(v, "v")
-    shape, Q, Kd, Vd, kv_index = arrays.layout(qi, ki, vi)
+    A = arrays
+    qi, ki, vi = A.In(q, "q"), A.In(k, "k"), A.In(v, "v")
+    shape = A.shape_of(qi, ki, vi)
     dtype = qi.dtype
     oi, doi, L = saved(cp, shape, dtype, out, lse, dout)
     scale = check_scale(scale, shape.d)
@@ -342,68 +347,75 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
     P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv
-    O = oi.arr.reshape(P, Nq, dv)
-    dO = doi.arr.reshape(P, Nq, dv)
-    st = arrays.storage(cp, dtype)
-    D = arrays.empty(cp, (P, Nq), cp.float32)
-    dQacc = arrays.empty(cp, (P, Nq, d), cp.float32)
-    dQ = arrays.empty(cp, (P, Nq, d), st)
-    dK = arrays.empty(cp, (P, Nk, d), st)
-    dV = arrays.empty(cp, (P, Nk, dv), st)
+    st = A.storage(cp, dtype)
+    D = A.empty(cp, (P, Nq), cp.float32)
+    dQacc = A.empty(cp, (P, Nq, d), cp.float32)
+    # the gradients go straight into outputs laid out like q, k, v, unless a GQA group or
+    # a broadcast axis must be summed first: then into per-problem scratch (reduce)
+    tq = dtype if qi.torch else None
+    q_direct = qi.shape[:-2] == shape.batch_shape
+    k_direct = ki.shape[:-2] == shape.batch_shape
+    dQ = A.empty(cp, qi.shape, st, tq, like=qi) if q_direct else A.empty(cp, (P, Nq, d), st)
+    dK = A.empty(cp, ki.shape, st, tq, like=ki) if k_direct else A.empty(cp, (P, Nk, d), st)
+    dV = A.empty(cp, vi.shape, st, tq, like=vi) if k_direct else A.empty(cp, (P, Nk, dv), st)
+    at, ld = A.rows(cp, shape, {
+        A.AT_Q: (qi.arr, "q"), A.AT_K: (ki.arr, "k"), A.AT_V: (vi.arr, "k"),
+        A.AT_O: (oi.arr, "q"), A.AT_dO: (doi.arr, "q"), A.AT_dQ: (dQ, "q" if q_direct else "p"),
+        A.AT_dK: (dK, "k" if k_direct else "p"), A.AT_dV: (dV, "k" if k_direct else "p")})
     io = dev.counters(cp, count_io)
     Tr = -(-Nq // Br)
     i32 = np.int32
     # one turn counter per (problem, Q tile of Br rows); a null pointer: unordered atomics
     sem = cp.zeros(P * Tr, dtype=cp.int32) if deterministic else np.uint64(0)
     cc = dev.cc(cp.cuda.Device().id)
+    pre = (oi.arr, doi.arr, at, D, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO])
+    main = (qi.arr, ki.arr, vi.arr, at, doi.arr, L, D, dQacc, dK, dV, i32(Nq), i32(Nk),
+            *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK, A.AT_dV)))
 
     def grid(name):
         return K.grid(name, Nq, Nk, Br, Bc, P)
 
     if which == "tc":
         name = "flash2_bwd_preprocess_tc"
-        dev.launch(cp, dev.kernel(name, dtype, count_io, d), grid(name), 0,
-                (O, dO, D, dQacc, i32(Nq), io), threads=K.threads(name, d, cc))
-    else:
-        dev.launch(cp, dev.kernel("flash2_bwd_preprocess", dtype, count_io),
-                grid("flash2_bwd_preprocess"), 0,
-                (O, dO, D, dQacc, i32(Nq), i32(d), i32(dv), i32(Br), io))
-    if which == "tc":
+        dev.launch(cp, dev.kernel(name, dtype, count_io, d), grid(name), 0, (*pre, io),
+                   threads=K.threads(name, d, cc))
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
         name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
         dev.launch(cp, dev.kernel(name, dtype, count_io, d, var), grid(name), smem,
-                (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(left),
-                 i32(right), np.float32(scale), *_fast_variants(cp, scale, softcap, slopes),
-                 sem, np.uint64(0), io),
-                threads=K.threads(name, d, cc))
+                   (*main, i32(left), i32(right), np.float32(scale),
+                    *_fast_variants(cp, scale, softcap, slopes), sem, np.uint64(0), io),
+                   threads=K.threads(name, d, cc))
     else:
+        dev.launch(cp, dev.kernel("flash2_bwd_preprocess", dtype, count_io),
+                   grid("flash2_bwd_preprocess"), 0, (*pre, i32(d), i32(dv), i32(Br), io))
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
-        dev.launch(cp, dev.kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"), smem,
-                (Q, Kd, Vd, kv_index, dO, L, D, dQacc, dK, dV, i32(Nq), i32(Nk), i32(d),
-                 i32(dv), i32(Br), i32(Bc), i32(left), i32(right), dev.scalar(dtype, scale),
-                 cap, slopes, sem, np.uint64(0), io))
+        dev.launch(cp, dev.kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"),
+                   smem, (*main, i32(d), i32(dv), i32(Br), i32(Bc), i32(left), i32(right),
+                          dev.scalar(dtype, scale), cap, slopes, sem, np.uint64(0), io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", dtype, count_io),
-            grid("flash2_bwd_postprocess"), 0,
-            (dQacc, dQ, i32(Nq), i32(d), i32(Br), io))
-    dq = arrays.reduce(cp, dQ, shape, qi.shape, Nq, d, dtype)
-    dk = arrays.reduce(cp, dK, shape, ki.shape, Nk, d, dtype)
-    dv_ = arrays.reduce(cp, dV, shape, vi.shape, Nk, dv, dtype)
-    res = tuple(arrays.out(cp, x, dtype, qi.torch) for x in (dq, dk, dv_))
+               grid("flash2_bwd_postprocess"), 0,
+               (dQacc, dQ, at, i32(Nq), ld[A.AT_dQ], i32(d), i32(Br), io))
+    dq = dQ if q_direct else A.laid_out(cp, A.reduce(cp, dQ, shape, qi.shape, Nq, d, dtype), qi)
+    dk = dK if k_direct else A.laid_out(cp, A.reduce(cp, dK, shape, ki.shape, Nk, d, dtype), ki)
+    dv_ = dV if k_direct else A.laid_out(cp, A.reduce(cp, dV, shape, vi.shape, Nk, dv, dtype), vi)
+    res = tuple(A.out(cp, x, dtype, qi.torch) for x in (dq, dk, dv_))
     return res + (dev.traffic(cp, io),) if count_io else res
 
 
 # -- the common case without the general path's Python: PyTorch (B, H, N, d) tensors ----
 
-_PLANS: dict = {}        # (shapes, dtype, causal, scale, device, kernel) -> launch plan
+_PLANS: dict = {}        # (shapes, strides, dtype, causal, scale, device, kernel) -> plan
 
 
 def _torch_forward(q, k, v, causal, scale, kernel="auto"):
-    """The wg or tc forward (as ``kernel`` and the device allow) for contiguous CUDA
-    tensors (B, H, Nq, d) and (B, Hk, Nk, d) with Hk dividing H, float16/bfloat16,
-    d ∈ TC_HEAD_DIMS: outputs allocated by PyTorch,
-    pointers passed straight to cuLaunchKernel, the launch plan cached per shape. The
-    general path costs ~0.1 ms of Python per call, a third of the kernel's time at
-    N = 1k. Returns None for anything else (the general path then checks and runs it)."""
+    """The wg or tc forward (as ``kernel`` and the device allow) for 4-D CUDA tensors
+    (B, H, Nq, d) and (B, Hk, Nk, d) with Hk dividing H, float16/bfloat16, d ∈
+    TC_HEAD_DIMS, in any layout the kernels read through its strides ((B, N, H, d)
+    transposed, say): outputs allocated by PyTorch (out as `torch.empty_like(q)`),
+    pointers passed straight to cuLaunchKernel, the launch plan cached per shapes and
+    strides. The general path costs ~0.1 ms of Python per call, a third of the kernel's
+    time at N = 1k. Returns None for anything else (the general path then checks and
+    runs it)."""
     if not _fast_inputs(q, k, v, causal, scale):
         return None
     plan = _torch_forward_plan(q, k, v, causal, scale, kernel)
@@ -415,7 +427,7 @@ def _torch_forward(q, k, v, causal, scale, kernel="auto"):
     index = q.device.index
     with plan.cp.cuda.Device(index):
         plan.fwd(torch._C._cuda_getCurrentRawStream(index), q.data_ptr(), k.data_ptr(),
-                 v.data_ptr(), plan.kv_index, O.data_ptr(), L.data_ptr())
+                 v.data_ptr(), plan.at.data.ptr, O.data_ptr(), L.data_ptr())
     return O, L
 
 
@@ -432,6 +444,9 @@ class _Launcher:
         self.size = ctypes.c_size_t(self.fmt.size)
         self.grid, self.threads, self.smem, self.tail = grid, threads, smem, tuple(tail)
         self.launch = dev.cupy().cuda.driver.launchKernel
+        # past 48 KB of shared memory (dynamic and the kernel's static) a CTA opts in
+        if smem + getattr(kernel, "shared_size_bytes", 0) > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = smem
 
     def __call__(self, stream: int, *pointers):
         buf = ctypes.create_string_buffer(self.fmt.pack(*pointers, *self.tail), self.fmt.size)
@@ -441,25 +456,25 @@ class _Launcher:
 
 
 class _Plan:
-    """What the fast paths launch for one set of shapes (see _plan_torch_forward)."""
-    __slots__ = ("cp", "fwd", "kv", "kv_index", "lse_shape", "scale", "left", "right", "io",
+    """What the fast paths launch for one set of shapes and strides (_plan_torch_forward)."""
+    __slots__ = ("cp", "fwd", "at", "shape", "lse_shape", "scale", "left", "right", "io",
                  "bwd")
 
 
 def _fast_inputs(q, k, v, causal, scale) -> bool:
-    """q, k, v are contiguous 4-D CUDA tensors of one dtype on one device (the shapes and
-    dtype are checked when the plan is made)."""
+    """q, k, v are 4-D CUDA tensors of one dtype on one device with their last axis
+    contiguous (the shapes, strides and dtype are checked when the plan is made)."""
     if type(q).__module__ != "torch" or type(k) is not type(q) or type(v) is not type(q):
         return False
     return (q.is_cuda and k.is_cuda and v.is_cuda and q.dim() == k.dim() == v.dim() == 4
-            and q.dtype == k.dtype == v.dtype and q.is_contiguous() and k.is_contiguous()
-            and v.is_contiguous() and q.device == k.device == v.device
+            and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and q.device == k.device == v.device
             and isinstance(causal, bool) and (scale is None or type(scale) in (float, int)))
 
 
 def _plan_key(q, k, v, causal, scale, kernel):
-    return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, causal, scale,
-            q.device.index, kernel)
+    return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.stride(), k.stride(), v.stride(),
+            q.dtype, causal, scale, q.device.index, kernel)
 
 
 def _torch_forward_plan(q, k, v, causal, scale, kernel="auto"):
@@ -478,8 +493,17 @@ def _torch_forward_plan(q, k, v, causal, scale, kernel="auto"):
     return plan
 
 
+def _views(cp, dtype: str, *tensors):
+    """CuPy views of tensors (their shapes and strides, for the row table), or None when
+    the kernels cannot read one through its strides."""
+    views = [arrays.view(cp, t, np.int16 if dtype == "bfloat16" else np.dtype(dtype))
+             for t in tensors]
+    return views if all(arrays.readable(x) for x in views) else None
+
+
 def _plan_torch_forward(q, k, v, causal, scale, kernel):
-    """What the fast path launches for these shapes, or False where it does not apply."""
+    """What the fast path launches for these shapes and strides, or False where it does
+    not apply."""
     import torch
     dtypes = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
     if q.dtype not in dtypes or not hasattr(torch._C, "_cuda_getCurrentRawStream"):
@@ -493,6 +517,9 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
     dtype = dtypes[q.dtype]
     plan = _Plan()
     with cp.cuda.Device(q.device.index):
+        views = _views(cp, dtype, q, k, v, torch.empty_like(q))
+        if views is None:
+            return False                                # the general path copies
         shape = Shape(Nq, Nk, d, d, (B, H), (B, H), (B, Hk), H // Hk)
         if kernel != "tc" and _wg_supports(shape, dtype, None):   # Hopper: warpgroup MMAs
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[d]
@@ -504,31 +531,34 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
         if smem > dev.smem_limit():
             return False                                # the general path picks "ref"
-        kern = dev.kernel(name, dtype, False, d)
-        if smem > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = smem
-        # query problem (b, h) reads K/V problem (b, h // (H / Hk)): GQA groups
-        kv = cp.asarray((np.arange(B)[:, None] * Hk
-                         + np.arange(H)[None, :] // (H // Hk)).astype(np.int32).ravel())
-        plan.kv, plan.kv_index = kv, kv.data.ptr       # the array, kept alive, and its address
+        # the row table: query problem (b, h) reads K/V problem (b, h // (H / Hk)), each
+        # tensor through its strides; O as torch.empty_like(q) lays it out
+        A = arrays
+        plan.at, ld = A.rows(cp, shape, {A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"),
+                                         A.AT_V: (views[2], "k"), A.AT_O: (views[3], "q")})
+        plan.shape = shape
         plan.left, plan.right = arrays.band(causal)
         plan.scale = check_scale(scale, d)
         plan.io = dev.unused_counters(q.device.index).data.ptr
-        # (Q, K, V, kv_index, O, L | Nq, Nk, left, right, scale·log2e, k_in, k_out, slopes,
-        #  vl, io): the plain instance, which reads none of the variants' three nor vl
-        plan.fwd = _Launcher(kern, "6Q4ifff4xQQQ", K.grid(name, Nq, Nk, Br, Bc, B * H), threads,
-                             smem, (Nq, Nk, plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0,
-                                    0, 0, plan.io))
+        # (Q, K, V, at, O, L | Nq, Nk, ldq, ldk, ldv, ldo, left, right, scale·log2e, k_in,
+        #  k_out, slopes, vl, io): the plain instance, which reads none of the variants'
+        #  three nor vl
+        plan.fwd = _Launcher(dev.kernel(name, dtype, False, d), "6Q8ifff4xQQQ",
+                             K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
+                             (Nq, Nk, *(int(ld[t]) for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_O)),
+                              plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0, 0, 0,
+                              plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
-        plan.bwd = None                                 # made by the first backward call
-    return plan
+        plan.bwd = {}                                   # per (out, dout) strides: made by
+    return plan                                         # the first backward call
 
 
 def _torch_backward(q, k, v, out, lse, dout, causal, scale):
     """The tensor-core backward on the fast path's terms (see _torch_forward), without
-    GQA (whose dK, dV group sums the general path does), unordered dQ atomics. Returns
-    None for anything else."""
+    GQA (whose dK, dV group sums the general path does), unordered dQ atomics; out and
+    dout in any layout the kernels read, dq, dk, dv as `torch.empty_like` of q, k, v.
+    Returns None for anything else."""
     if not _fast_inputs(q, k, v, causal, scale):
         return None
     import torch
@@ -536,63 +566,75 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
             or k.shape[:2] != q.shape[:2] or out.shape != q.shape
             or dout.shape != q.shape or out.dtype != q.dtype or dout.dtype != q.dtype
             or lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:-1])
-            or not all(x.is_contiguous() and x.is_cuda and x.device == q.device
-                       for x in (out, lse, dout))
+            or not lse.is_contiguous() or out.stride(-1) != 1 or dout.stride(-1) != 1
+            or not all(x.is_cuda and x.device == q.device for x in (out, lse, dout))
             or any(x.data_ptr() % 16 for x in (out, dout))):
         return None
-    # the forward plan's shapes, dtype and K/V index; its tc forward lives in the module
+    # the forward plan's shapes, dtype and row table; its tc forward lives in the module
     # the backward loads anyway (an "auto" plan would build the Hopper forward for nothing)
     plan = _torch_forward_plan(q, k, v, causal, scale, "tc")
     if plan is None:
         return None
-    bwd = plan.bwd if plan.bwd is not None else _plan_torch_backward(plan, q, k)
-    if bwd is False:                # its tiles do not fit here: the general path picks "ref"
+    key = (out.stride(), dout.stride())
+    bwd = plan.bwd.get(key)
+    if bwd is None:
+        bwd = plan.bwd[key] = _plan_torch_backward(plan, q, k, v, out, dout)
+    if bwd is False:      # tiles too large here, or strides it cannot read: the general path
         return None
     B, H, Nq, d = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     D, dQacc = torch.empty((B * H, Nq), **f32), torch.empty((B * H, Nq, d), **f32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     index = q.device.index
-    pre, main, post = bwd
+    at, pre, main, post = bwd
     with plan.cp.cuda.Device(index):
         stream = torch._C._cuda_getCurrentRawStream(index)
-        pre(stream, out.data_ptr(), dout.data_ptr(), D.data_ptr(), dQacc.data_ptr())
-        main(stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), plan.kv_index, dout.data_ptr(),
+        pre(stream, out.data_ptr(), dout.data_ptr(), at.data.ptr, D.data_ptr(), dQacc.data_ptr())
+        main(stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), at.data.ptr, dout.data_ptr(),
              lse.data_ptr(), D.data_ptr(), dQacc.data_ptr(), dk.data_ptr(), dv.data_ptr())
-        post(stream, dQacc.data_ptr(), dq.data_ptr())
+        post(stream, dQacc.data_ptr(), dq.data_ptr(), at.data.ptr)
     return dq, dk, dv
 
 
-def _plan_torch_backward(plan, q, k):
-    """The backward's three launchers (pre-pass, main loop, post-pass) for the shapes of a
-    forward plan, or False where its tiles do not fit the device's shared memory."""
+def _plan_torch_backward(plan, q, k, v, out, dout):
+    """The backward's row table and three launchers (pre-pass, main loop, post-pass) for
+    a forward plan's shapes and these out, dout strides, or False where its tiles do not
+    fit the device's shared memory or the kernels cannot read a layout."""
     import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
     P, dtype = B * H, ("float16" if q.dtype == torch.float16 else "bfloat16")
     cp = plan.cp
+    A = arrays
     with cp.cuda.Device(q.device.index):
         Br, Bc = _tc_tiles(d, True)
         smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, d, dtype)
-        if smem > dev.smem_limit():
-            plan.bwd = False
+        views = _views(cp, dtype, q, k, v, out, dout, torch.empty_like(q), torch.empty_like(k),
+                       torch.empty_like(v))
+        if smem > dev.smem_limit() or views is None:
             return False
-        main = dev.kernel("flash2_bwd_tc", dtype, False, d)
-        if smem > 48 * 1024:
-            main.max_dynamic_shared_size_bytes = smem
-        # (O, dO, D, dQacc | Nq, io)
+        at, ld = A.rows(cp, plan.shape, {
+            A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"), A.AT_V: (views[2], "k"),
+            A.AT_O: (views[3], "q"), A.AT_dO: (views[4], "q"), A.AT_dQ: (views[5], "q"),
+            A.AT_dK: (views[6], "k"), A.AT_dV: (views[7], "k")})
+        ld = [int(x) for x in ld]
         cc = dev.cc(q.device.index)
-        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, d), "4Qi4xQ",
+        # (O, dO, at, D, dQacc | Nq, ldo, lddo, io)
+        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, d), "5Q3i4xQ",
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
-                        K.threads("flash2_bwd_preprocess_tc", d, cc), 0, (Nq, plan.io))
-        # (Q, K, V, kv_index, dO, L, D, dQacc, dK, dV | Nq, Nk, left, right, scale, k_in,
-        #  k_out, slopes, sem, vl, io)
-        main = _Launcher(main, "10Q4ifff4xQQQQ", K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
+                        K.threads("flash2_bwd_preprocess_tc", d, cc), 0,
+                        (Nq, ld[A.AT_O], ld[A.AT_dO], plan.io))
+        # (Q, K, V, at, dO, L, D, dQacc, dK, dV | Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv,
+        #  left, right, scale, k_in, k_out, slopes, sem, vl, io)
+        main = _Launcher(dev.kernel("flash2_bwd_tc", dtype, False, d), "10Q10ifff4xQQQQ",
+                         K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
                          K.threads("flash2_bwd_tc", d, cc), smem,
-                         (Nq, Nk, plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, 0, plan.io))
-        # (dQacc, dQ | Nq, d, Br, io)
-        post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "2Q3i4xQ",
+                         (Nq, Nk, *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK,
+                                                    A.AT_dV)),
+                          plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, 0, plan.io))
+        # (dQacc, dQ, at | Nq, lddq, d, Br, io)
+        post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q4iQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),
-                         K.threads("flash2_bwd_postprocess", d, cc), 0, (Nq, d, Br, plan.io))
-    plan.bwd = (pre, main, post)
-    return plan.bwd
+                         K.threads("flash2_bwd_postprocess", d, cc), 0,
+                         (Nq, ld[A.AT_dQ], d, Br, plan.io))
+    return at, pre, main, post

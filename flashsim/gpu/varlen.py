@@ -17,9 +17,10 @@ reference). The forward and backward main loops walk a table of the real tiles
 (kernels_cu/common.cuh's seq_of; the fast rungs in their varlen instance, VL, which also
 runs softcap and ALiBi), so the grid covers no padding and ``count_io=True`` counts
 exactly `fs.simulate_varlen`'s bytes for the same block sizes
-(``fs.gpu.block_sizes(q, v, varlen=True)``, the same for every sequence). The packed
-arrays are read as (heads, tokens, ·): one transposing copy of q, k, v (and dout, out) on
-the way in, and of the results on the way out, outside the counted traffic.
+(``fs.gpu.block_sizes(q, v, varlen=True)``, the same for every sequence). The kernels
+read the packed arrays through their strides (each head a problem whose rows are the
+tokens; kernels_cu/common.cuh's row table) and write out, dq (and dk, dv without GQA)
+packed in place: no transposing copies.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def _check_max(name: str, given, lengths: np.ndarray) -> None:
 
 
 class _Batch:
-    """A validated packed batch on the device, heads first: Q (Hq, total_q, d), K (Hk,
-    total_k, d), V (Hk, total_k, dv), kv_index (Hq,), the cumulative lengths on the host,
-    the band, softcap and slopes (B, Hq) for the kernels."""
+    """A validated packed batch on the device, viewed heads first (no copy): Q (Hq,
+    total_q, d), K (Hk, total_k, d), V (Hk, total_k, dv), the cumulative lengths on the
+    host, the band, softcap and slopes (B, Hq) for the kernels."""
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  causal, scale, window, softcap, alibi_slopes, kernel):
@@ -107,16 +108,19 @@ class _Batch:
         self.cap = dev.scalar(self.dtype, cap or 0.0)
         self.slopes = (np.uint64(0) if alibi_slopes is None or self.B == 0 else
                        cp.asarray(np.ascontiguousarray(np.stack(slopes), np.float32)))
-        self.Q = heads_first(cp, qi.arr)
-        self.K = heads_first(cp, ki.arr)
-        self.V = heads_first(cp, vi.arr)
-        self.kv_index = cp.asarray((np.arange(Hq) // (Hq // Hk)).astype(np.int32))
+        self.qi, self.ki, self.vi = qi, ki, vi
+        self.Q, self.K, self.V = (heads_first(x.arr) for x in (qi, ki, vi))
 
     def rung(self, block_sizes, backward: bool) -> str:
         """"wg", "tc" or "ref", as `flash2._choose` picks for dense inputs of these head
         dims (the fast rungs' varlen instance is their softcap/ALiBi one, VAR)."""
         return _choose(self.kernel, self.shape, self.dtype, block_sizes, backward,
                        variant=self.variant, var=True)
+
+    def rows(self, cp, cols: dict):
+        """The kernels' row table and strides (`arrays.rows`) for heads-first views:
+        query head h reads K/V head h // (Hq / Hk)."""
+        return arrays.rows(cp, self.shape, cols)
 
     def fast(self, cp):
         """(k_in, k_out, slopes) of the fast rungs' varlen instance (VarScores)."""
@@ -138,9 +142,9 @@ class _Batch:
         return dev.cupy().asarray(vl), int(tiles.sum()), int(cu_t[-1])
 
 
-def heads_first(cp, x):
-    """(tokens, heads, ·) → contiguous (heads, tokens, ·)."""
-    return cp.ascontiguousarray(x.transpose(1, 0, 2))
+def heads_first(x):
+    """(tokens, heads, ·) → a (heads, tokens, ·) view (or back)."""
+    return x.transpose(1, 0, 2)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -165,8 +169,16 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     bt = _Batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 scale, window, softcap, alibi_slopes, kernel)
     which = bt.rung(block_sizes, backward=False)
-    O = arrays.empty(cp, (bt.Hq, bt.Tq, bt.dv), arrays.storage(cp, bt.dtype))
-    L = arrays.empty(cp, (bt.Hq, bt.Tq), cp.float32)
+    A = arrays
+    # out packed like q, written in place through its heads-first view
+    out = A.empty(cp, (bt.Tq, bt.Hq, bt.dv), A.storage(cp, bt.dtype),
+                  bt.dtype if bt.torch else None, like=bt.qi)
+    O = heads_first(out)
+    L = A.empty(cp, (bt.Hq, bt.Tq), cp.float32)
+    at, ld = bt.rows(cp, {A.AT_Q: (bt.Q, "q"), A.AT_K: (bt.K, "k"), A.AT_V: (bt.V, "k"),
+                          A.AT_O: (O, "q")})
+    rows = (bt.Q, bt.K, bt.V, at, O, L, np.int32(bt.Tq), np.int32(bt.Tk),
+            *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_O)))
     io = dev.counters(cp, count_io)
     i32 = np.int32
     if which in ("tc", "wg"):
@@ -177,8 +189,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         vl, ctas, _ = bt.table(Br, Bc, "q")
         smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
-                   smem, (bt.Q, bt.K, bt.V, bt.kv_index, O, L, i32(bt.Tq), i32(bt.Tk),
-                          i32(bt.left), i32(bt.right), np.float32(bt.scale * LOG2E),
+                   smem, (*rows, i32(bt.left), i32(bt.right), np.float32(bt.scale * LOG2E),
                           *bt.fast(cp), vl, io),
                    threads=K.threads(name, bt.d, dev.cc(cp.cuda.Device().id)))
     else:
@@ -186,10 +197,9 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
         vl, ctas, _ = bt.table(Br, Bc, "q")
         smem = K.smem_bytes("flash2_fwd", Br, Bc, bt.d, bt.dv, bt.dtype)
         dev.launch(cp, dev.kernel("flash2_fwd", bt.dtype, count_io), (ctas, bt.Hq), smem,
-                   (bt.Q, bt.K, bt.V, bt.kv_index, O, L, i32(bt.Tq), i32(bt.Tk), i32(bt.d),
-                    i32(bt.dv), i32(Br), i32(Bc), i32(bt.left), i32(bt.right),
+                   (*rows, i32(bt.d), i32(bt.dv), i32(Br), i32(Bc), i32(bt.left), i32(bt.right),
                     dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, vl, io))
-    out = arrays.out(cp, heads_first(cp, O), bt.dtype, bt.torch)
+    out = arrays.out(cp, out, bt.dtype, bt.torch)
     lse = arrays.out(cp, L, "float32", bt.torch)
     return (out, lse, dev.traffic(cp, io)) if count_io else (out, lse)
 
@@ -227,7 +237,7 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              f"{want}, got {xi.shape}")
         if xi.dtype != bt.dtype:
             raise TypeError(f"{name} must have q's dtype {bt.dtype}, got {xi.dtype}")
-        saved.append(heads_first(cp, xi.arr))
+        saved.append(heads_first(xi.arr))
     O, dO = saved
     li = arrays.In(lse, "lse") if not isinstance(lse, np.ndarray) else None
     L = cp.asarray(np.asarray(lse, np.float32)) if li is None else li.arr
@@ -243,14 +253,32 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     else:
         Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=True)
     vl, ctas, q_tiles = bt.table(Br, Bc, "kv")
-    st = arrays.storage(cp, bt.dtype)
-    D = arrays.empty(cp, (bt.Hq, bt.Tq), cp.float32)
-    dQacc = arrays.empty(cp, (bt.Hq, bt.Tq, bt.d), cp.float32)
-    dQ = arrays.empty(cp, (bt.Hq, bt.Tq, bt.d), st)
-    dK = arrays.empty(cp, (bt.Hq, bt.Tk, bt.d), st)
-    dV = arrays.empty(cp, (bt.Hq, bt.Tk, bt.dv), st)
-    io = dev.counters(cp, count_io)
+    A = arrays
     i32 = np.int32
+    st = A.storage(cp, bt.dtype)
+    tq = bt.dtype if bt.torch else None
+    g = bt.Hq // bt.Hk
+    D = A.empty(cp, (bt.Hq, bt.Tq), cp.float32)
+    dQacc = A.empty(cp, (bt.Hq, bt.Tq, bt.d), cp.float32)
+    # dq packed like q, and dk, dv like k, v without GQA, written in place; with GQA dK and
+    # dV go per query head into scratch, and each group is summed after
+    dq = A.empty(cp, (bt.Tq, bt.Hq, bt.d), st, tq, like=bt.qi)
+    dQ = heads_first(dq)
+    if g == 1:
+        dk = A.empty(cp, (bt.Tk, bt.Hk, bt.d), st, tq, like=bt.ki)
+        dv = A.empty(cp, (bt.Tk, bt.Hk, bt.dv), st, tq, like=bt.vi)
+        dK, dV = heads_first(dk), heads_first(dv)
+    else:
+        dK = A.empty(cp, (bt.Hq, bt.Tk, bt.d), st)
+        dV = A.empty(cp, (bt.Hq, bt.Tk, bt.dv), st)
+    side = "k" if g == 1 else "p"
+    at, ld = bt.rows(cp, {A.AT_Q: (bt.Q, "q"), A.AT_K: (bt.K, "k"), A.AT_V: (bt.V, "k"),
+                          A.AT_O: (O, "q"), A.AT_dO: (dO, "q"), A.AT_dQ: (dQ, "q"),
+                          A.AT_dK: (dK, side), A.AT_dV: (dV, side)})
+    pre = (O, dO, at, D, dQacc, i32(bt.Tq), ld[A.AT_O], ld[A.AT_dO])
+    main = (bt.Q, bt.K, bt.V, at, dO, L, D, dQacc, dK, dV, i32(bt.Tq), i32(bt.Tk),
+            *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK, A.AT_dV)))
+    io = dev.counters(cp, count_io)
     cc = dev.cc(cp.cuda.Device().id)
     # one turn counter per (head, Q tile of a sequence); a null pointer: unordered atomics
     sem = cp.zeros(bt.Hq * q_tiles, dtype=cp.int32) if deterministic else np.uint64(0)
@@ -260,29 +288,27 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         name = "flash2_bwd_preprocess_tc"
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d),
                    K.grid(name, bt.Tq, bt.Tk, Br, Bc, bt.Hq), 0,
-                   (O, dO, D, dQacc, i32(bt.Tq), io), threads=K.threads(name, bt.d, cc))
+                   (*pre, io), threads=K.threads(name, bt.d, cc))
         name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
         smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
-                   smem, (bt.Q, bt.K, bt.V, bt.kv_index, dO, L, D, dQacc, dK, dV, i32(bt.Tq),
-                          i32(bt.Tk), i32(bt.left), i32(bt.right), np.float32(bt.scale),
+                   smem, (*main, i32(bt.left), i32(bt.right), np.float32(bt.scale),
                           *bt.fast(cp), sem, vl, io),
                    threads=K.threads(name, bt.d, cc))
     else:
         dev.launch(cp, dev.kernel("flash2_bwd_preprocess", bt.dtype, count_io), rows, 0,
-                   (O, dO, D, dQacc, i32(bt.Tq), i32(bt.d), i32(bt.dv), i32(Br), io))
+                   (*pre, i32(bt.d), i32(bt.dv), i32(Br), io))
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, bt.d, bt.dv, bt.dtype)
         dev.launch(cp, dev.kernel("flash2_bwd_main", bt.dtype, count_io), (ctas, bt.Hq), smem,
-                   (bt.Q, bt.K, bt.V, bt.kv_index, dO, L, D, dQacc, dK, dV, i32(bt.Tq),
-                    i32(bt.Tk), i32(bt.d), i32(bt.dv), i32(Br), i32(Bc), i32(bt.left),
+                   (*main, i32(bt.d), i32(bt.dv), i32(Br), i32(Bc), i32(bt.left),
                     i32(bt.right), dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, sem,
                     vl, io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", bt.dtype, count_io), rows, 0,
-               (dQacc, dQ, i32(bt.Tq), i32(bt.d), i32(Br), io))
-    g = bt.Hq // bt.Hk
+               (dQacc, dQ, at, i32(bt.Tq), ld[A.AT_dQ], i32(bt.d), i32(Br), io))
     if g > 1:     # GQA: each K/V head's gradient sums its group's, in fp32, rounded once
-        dK, dV = (arrays.from_f32(cp, arrays.to_f32(cp, x.reshape(bt.Hk, g, bt.Tk, w), bt.dtype)
-                                  .sum(axis=1), bt.dtype)
-                  for x, w in ((dK, bt.d), (dV, bt.dv)))
-    res = tuple(arrays.out(cp, heads_first(cp, x), bt.dtype, bt.torch) for x in (dQ, dK, dV))
+        dk, dv = (A.laid_out(cp, heads_first(
+                      A.from_f32(cp, A.to_f32(cp, x.reshape(bt.Hk, g, bt.Tk, w), bt.dtype)
+                                 .sum(axis=1), bt.dtype)), like)
+                  for x, w, like in ((dK, bt.d, bt.ki), (dV, bt.dv, bt.vi)))
+    res = tuple(A.out(cp, x, bt.dtype, bt.torch) for x in (dq, dk, dv))
     return res + (dev.traffic(cp, io),) if count_io else res
