@@ -335,6 +335,10 @@ def test_kvcache_matches_simulator(problem):
         KV.check_kvcache(problem)
 
 
+def test_kvcache_strided_inputs():
+    KV.check_strided_inputs()
+
+
 @pytest.mark.parametrize("Nq,g", [(1, 8), (4, 4), (3, 8)])
 def test_kvcache_tile_shapes(monkeypatch, Nq, g):
     G.poison_outputs(monkeypatch)

@@ -189,3 +189,29 @@ def check_bad_input(monkeypatch):
 
 def test_bad_input_is_refused_before_any_launch(monkeypatch):
     check_bad_input(monkeypatch)
+
+
+def check_strided_inputs():
+    """q and the appended k, v as slices of one fused (batch, Nq, H + 2·Hk, d) projection
+    (strided views): the same out, lse and appended caches, bit for bit, as dense copies
+    (the decoding kernels read dense q, k, v: flashsim.gpu copies such views once)."""
+    xp = fs.gpu._device.cupy()
+    rng = np.random.default_rng(4)
+    B, Nq, H, Hk, d, cap = 2, 3, 8, 2, 64, 96
+    fused = xp.asarray(rng.standard_normal((B, Nq, H + 2 * Hk, d)).astype(np.float16))
+    q, kn, vn = fused[:, :, :H], fused[:, :, H:H + Hk], fused[:, :, H + Hk:]
+    caches = [xp.asarray(rng.standard_normal((B, cap, Hk, d)).astype(np.float16))
+              for _ in range(2)]
+    lens = np.array([5, 40], np.int32)
+    runs = []
+    for inputs in ((q, kn, vn), tuple(xp.ascontiguousarray(x) for x in (q, kn, vn))):
+        kc, vc = (c.copy() for c in caches)
+        out, lse = fs.gpu.attention_with_kvcache(inputs[0], kc, vc, cache_seqlens=lens,
+                                                 k=inputs[1], v=inputs[2], causal=True)
+        runs.append([G.host(x) for x in (out, lse, kc, vc)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_strided_inputs():
+    check_strided_inputs()

@@ -69,6 +69,12 @@ class In:
     def shape(self):
         return tuple(self.arr.shape)
 
+    def dense(self) -> "In":
+        """For kernels without a row table (decoding, flash1, standard, square): the
+        array C-contiguous (one copy where it is not)."""
+        self.arr = dev.cupy().ascontiguousarray(self.arr)
+        return self
+
 
 def view(cp, t, dtype):
     """A CuPy array over a CUDA tensor's memory, with its strides (the tensor stays alive

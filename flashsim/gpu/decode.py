@@ -76,7 +76,7 @@ class _Problem:
 
 
 def _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v) -> _Problem:
-    qi = arrays.In(q, "q")
+    qi = arrays.In(q, "q").dense()            # the decoding kernels read dense q, k, v
     kc, vc = _cache(k_cache, "k_cache"), _cache(v_cache, "v_cache")
     for name, x in (("q", qi), ("k_cache", kc), ("v_cache", vc)):
         if len(x.shape) != 4:
@@ -102,7 +102,7 @@ def _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v) -> _Problem:
     kn = vn = None
     Nnew = 0
     if k is not None:
-        kn, vn = arrays.In(k, "k"), arrays.In(v, "v")
+        kn, vn = arrays.In(k, "k").dense(), arrays.In(v, "v").dense()
         want = (batch, kn.shape[1] if len(kn.shape) == 4 else -1, kv_heads, d)
         if kn.shape != want or vn.shape != want:
             raise ValueError(f"k, v must be (batch={batch}, Nnew, kv_heads={kv_heads}, d={d}); "
