@@ -85,6 +85,30 @@ def dev(x, dtype):
     return cp.asarray(x.astype(dtype))
 
 
+def laid_out(x, salt: int = 0):
+    """x (from `dev`) in one of three layouts, chosen by its shape so that every fuzzed
+    example runs one and a failure replays: dense; rows padded by 8 elements (a row
+    stride of d + 8: read in place where d is a multiple of 8, else copied once); or
+    its last two leading axes swapped in memory ((B, N, H, d) seen as (B, H, N, d)).
+    The kernels read the last two through their strides."""
+    kind = (sum(x.shape) + salt) % 3
+    if kind == 0 or x.ndim < 2 or (kind == 2 and x.ndim < 3):
+        return x
+    d = x.shape[-1]
+    if type(x).__module__.split(".")[0] == "torch":
+        if kind == 1:
+            buf = x.new_zeros(tuple(x.shape[:-1]) + (d + 8,))
+            buf[..., :d] = x
+            return buf[..., :d]
+        return x.transpose(-2, -3).contiguous().transpose(-2, -3)
+    xp = fs.gpu._device.cupy()
+    if kind == 1:
+        buf = xp.zeros(x.shape[:-1] + (d + 8,), x.dtype)
+        buf[..., :d] = x
+        return buf[..., :d]
+    return xp.ascontiguousarray(xp.swapaxes(x, -2, -3)).swapaxes(-2, -3)
+
+
 def host(x):
     if type(x).__module__.split(".")[0] == "torch":
         return x.float().cpu().numpy().astype(np.float64)
@@ -144,7 +168,7 @@ def test_tensor_core_forward_matches_simulator(poisoned, kernel, problem):
 def check_forward(q, k, v, dtype, causal, blocks, kernel):
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype):
         blocks = None
-    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    qd, kd, vd = (laid_out(dev(x, dtype), n) for n, x in enumerate((q, k, v)))
     out, lse, traffic = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
                                          count_io=True, kernel=kernel)
     out_fast, lse_fast = fs.gpu.attention(qd, kd, vd, causal=causal, block_sizes=blocks,
@@ -197,11 +221,12 @@ def test_tensor_core_backward_matches_simulator(poisoned, problem, deterministic
 def check_backward(q, k, v, dtype, causal, blocks, kernel, deterministic=False):
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype, backward=True):
         blocks = None
-    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    qd, kd, vd = (laid_out(dev(x, dtype), n) for n, x in enumerate((q, k, v)))
     out, lse = fs.gpu.attention(qd, kd, vd, causal=causal)
     rng = np.random.default_rng(0)
     dout = make_precision("kernel", dtype).io_round(rng.standard_normal(host(out).shape)).astype(np.float64)
-    dq, dk, dv, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+    dq, dk, dv, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse,
+                                                    laid_out(dev(dout, dtype), 3),
                                                     causal=causal, block_sizes=blocks,
                                                     count_io=True, kernel=kernel,
                                                     deterministic=deterministic)
@@ -665,7 +690,7 @@ def test_fast_rungs_run_the_variants_backward(poisoned, problem, deterministic):
 
 
 def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
-    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    qd, kd, vd = (laid_out(dev(x, dtype), n) for n, x in enumerate((q, k, v)))
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype):
         blocks = None
     out, lse, traffic = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, count_io=True,
@@ -703,14 +728,14 @@ def test_variants_backward_match_the_simulator(poisoned, problem, deterministic)
 
 
 def check_variants_backward(q, k, v, dtype, blocks, variants, deterministic, kernel="auto"):
-    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    qd, kd, vd = (laid_out(dev(x, dtype), n) for n, x in enumerate((q, k, v)))
     if blocks is not None and not fits(blocks, q.shape[-1], v.shape[-1], dtype, backward=True):
         blocks = None     # drawn tiles too big for this device's shared memory: the default
     out, lse = fs.gpu.attention(qd, kd, vd, **variants)
     o, L = host(out), host(lse)
     rnd = make_precision("kernel", dtype).io_round
     dout = rnd(np.random.default_rng(1).standard_normal(o.shape)).astype(np.float64)
-    *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+    *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, laid_out(dev(dout, dtype), 3),
                                                 block_sizes=blocks, count_io=True,
                                                 deterministic=deterministic, kernel=kernel,
                                                 **variants)
@@ -767,7 +792,7 @@ def test_flash1_and_standard_backward_match_the_simulator(poisoned, problem, alg
 
 
 def check_algorithm_forward(q, k, v, dtype, blocks, variants, algorithm, default_tiles=False):
-    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    qd, kd, vd = (laid_out(dev(x, dtype), n) for n, x in enumerate((q, k, v)))
     if algorithm == "square":            # B × B tiles (the drawn Br; B < d and B < dv too)
         blocks = (blocks[0], blocks[0])
     if default_tiles or not _fits_algorithm(blocks, algorithm, False, q.shape[-1],
@@ -808,7 +833,7 @@ def _fits_algorithm(blocks, algorithm, backward, d, dv, dtype):
 
 
 def check_algorithm_backward(q, k, v, dtype, blocks, variants, algorithm):
-    qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+    qd, kd, vd = (laid_out(dev(x, dtype), n) for n, x in enumerate((q, k, v)))
     if not _fits_algorithm(blocks, algorithm, True, q.shape[-1], v.shape[-1], dtype):
         blocks = fs.gpu.block_sizes(qd, vd, backward=True, algorithm=algorithm)
     out, lse = fs.gpu.attention(qd, kd, vd, algorithm=algorithm, block_sizes=blocks,
@@ -816,10 +841,10 @@ def check_algorithm_backward(q, k, v, dtype, blocks, variants, algorithm):
     o, L = host(out), host(lse)
     rnd = make_precision("kernel", dtype).io_round
     dout = rnd(np.random.default_rng(1).standard_normal(o.shape)).astype(np.float64)
-    *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+    *grads, traffic = fs.gpu.attention_backward(qd, kd, vd, out, lse, laid_out(dev(dout, dtype), 3),
                                                 block_sizes=blocks, count_io=True,
                                                 algorithm=algorithm, **variants)
-    again = fs.gpu.attention_backward(qd, kd, vd, out, lse, dev(dout, dtype),
+    again = fs.gpu.attention_backward(qd, kd, vd, out, lse, laid_out(dev(dout, dtype), 3),
                                       block_sizes=blocks, algorithm=algorithm, **variants)
     grads = [host(x) for x in grads]
     for a, b in zip(grads, again):      # no atomics: the same bits, instrumented or not

@@ -185,8 +185,9 @@ def backward(q, k, v, out, lse, dout, *, algorithm, causal, scale, window, softc
                                                 alibi_slopes)
     Br, Bc = tiles(block_sizes, shape, dtype, algorithm, backward=True)
     P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv
-    O = oi.arr.reshape(P, Nq, dv)
-    dO = doi.arr.reshape(P, Nq, dv)
+    # these kernels read dense rows (no row table): a strided out or dout is copied
+    O = oi.dense().arr.reshape(P, Nq, dv)
+    dO = doi.dense().arr.reshape(P, Nq, dv)
     st = arrays.storage(cp, dtype)
     dQ = arrays.empty(cp, (P, Nq, d), st)
     dK = arrays.empty(cp, (P, Nk, d), st)
