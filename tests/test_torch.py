@@ -71,6 +71,15 @@ def test_opcheck():
     out, lse = fst.attention_fwd(q, k, v, True, 0.3, False)
     torch.library.opcheck(fst.attention_bwd, (q, k, v, out, lse, torch.randn_like(out), True,
                                               0.3, False))
+    # (B, N, H, d) layouts read as (B, H, N, d), dv ≠ d: the outputs come back laid out as
+    # their inputs, as the fakes promise
+    q, k = (torch.randn(1, n, h, 8).transpose(1, 2) for n, h in ((9, 2), (11, 1)))
+    v = torch.randn(1, 11, 1, 6).transpose(1, 2)
+    torch.library.opcheck(fst.attention_fwd, (q, k, v, True, 0.3, False))
+    out, lse = fst.attention_fwd(q, k, v, True, 0.3, False)
+    assert out.shape == (1, 2, 9, 6) and out.transpose(1, 2).is_contiguous()
+    grads = fst.attention_bwd(q, k, v, out, lse, torch.randn_like(out), True, 0.3, False)
+    assert all(g.stride() == x.stride() for g, x in zip(grads, (q, k, v)))
 
 
 def test_no_grad_and_bfloat16():
