@@ -228,8 +228,6 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
             fns[f"flashsim-{kern}", "fwd"] = (
                 lambda kern=kern: fs.gpu.attention(q, k, v, causal=causal,
                                                    kernel=kern), None)
-            if kern == "wg":           # a forward only ("auto" runs tc's backward)
-                continue
             fns[f"flashsim-{kern}", "bwd"] = (
                 lambda kern=kern, out=out, lse=lse: fs.gpu.attention_backward(
                     q, k, v, out, lse, do, causal=causal, kernel=kern), None)

@@ -102,6 +102,11 @@ EFFICIENCY = {
     ("flash2_fwd_tc", 64): 0.334, ("flash2_fwd_tc", 128): 0.394,
     ("flash2_bwd_tc", 64): 0.251, ("flash2_bwd_tc", 128): 0.288,
     ("flash2_bwd_tc_det", 64): 0.206, ("flash2_bwd_tc_det", 128): 0.240,
+    # the Hopper backward: not yet measured with ncu; the tc rows scaled by the two
+    # kernels' TFLOP/s in one benchmark run (H100, float16, N = 16384, no mask:
+    # analysis/bench_attention.py, wg / tc = 316 / 233 at d = 64, 337 / 268 at d = 128)
+    ("flash2_bwd_wg", 64): 0.341, ("flash2_bwd_wg", 128): 0.363,
+    ("flash2_bwd_wg_det", 64): 0.280, ("flash2_bwd_wg_det", 128): 0.302,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
@@ -256,15 +261,12 @@ def choose_kernel(launch: str, shape: Shape, dtype: str, hw: GPU, block_sizes=No
     if launch not in RUNGS:
         raise ValueError(f"launch must be one of {RUNGS}, got {launch!r}")
     cc, limit, d, dv = hw.compute_capability, hw.smem_per_block, shape.d, shape.dv
-    if launch == "wg" and backward:
-        raise ValueError("the Hopper kernel ('wg') is a forward only; model the backward "
-                         "with launch='tc', 'ref' or 'auto'")
-    if launch in ("auto", "wg") and not backward and K.wg_supports(d, dv, dtype, cc, limit,
-                                                                   block_sizes):
+    if launch in ("auto", "wg") and K.wg_supports(d, dv, dtype, cc, limit, block_sizes,
+                                                  backward):
         return "wg"
     if launch == "wg":
         raise ValueError(f"the Hopper kernel runs float16/bfloat16, d = dv in "
-                         f"{K.WG_HEAD_DIMS}, tiles {K.WG_BLOCKS}, on compute capability 9.0 "
+                         f"{K.WG_HEAD_DIMS}, tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on compute capability 9.0 "
                          f"({hw.name} is {cc / 10:.1f}); got {dtype}, d={d}, dv={dv}, "
                          f"block_sizes={block_sizes}")
     if launch in ("auto", "tc") and K.tc_supports(d, dv, dtype, cc, limit, block_sizes, backward):
@@ -283,7 +285,7 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
     the largest square tile whose CTA fits the device's shared memory)."""
     cc = hw.compute_capability
     if rung == "wg":
-        return K.WG_BLOCKS[shape.d]
+        return K.wg_blocks(shape.d, backward)
     if rung == "tc":
         return K.tc_bwd_blocks(shape.d, cc // 10) if backward else K.tc_blocks(shape.d, cc // 10)
     if block_sizes is not None:
@@ -301,7 +303,7 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
 def _make_launch(kernel: str, shape: Shape, dtype: str, hw: GPU, Br: int, Bc: int) -> Launch:
     spec = K.LAUNCH_SPECS[kernel]
     cc = hw.compute_capability
-    D = shape.d if kernel.endswith(("_tc", "_wg", "_tc_det")) else None
+    D = shape.d if kernel.endswith(("_tc", "_wg", "_tc_det", "_wg_det")) else None
     smem = K.smem_bytes(kernel, Br, Bc, shape.d, shape.dv, dtype)
     threads = K.threads(kernel, shape.d, cc)
     regs = K.registers(kernel, D, cc)
@@ -331,9 +333,9 @@ def launches(shape: Shape, io_dtype, hardware, *, backward: bool = False,
     if not backward:
         name = {"wg": "flash2_fwd_wg", "tc": "flash2_fwd_tc", "ref": "flash2_fwd"}[rung]
         return (_make_launch(name, shape, dtype, hw, Br, Bc),)
-    if rung == "tc":
+    if rung in ("tc", "wg"):
         names = ("flash2_bwd_preprocess_tc",
-                 "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc")
+                 f"flash2_bwd_{rung}_det" if deterministic else f"flash2_bwd_{rung}")
     else:
         names = ("flash2_bwd_preprocess", "flash2_bwd_main")
     names += ("flash2_bwd_postprocess",)

@@ -30,7 +30,7 @@ SOURCES = {
                       "flash2_bwd_postprocess"),
     "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
                      "flash2_bwd_tc_det"),
-    "flash2_wg.cu": ("flash2_fwd_wg",),
+    "flash2_wg.cu": ("flash2_fwd_wg", "flash2_bwd_wg", "flash2_bwd_wg_det"),
     "flash1_ref.cu": ("flash1_fwd", "flash1_bwd"),
     "standard_ref.cu": ("standard_fwd_scores", "standard_fwd_softmax", "standard_fwd_out",
                         "standard_bwd_dv", "standard_bwd_dp", "standard_bwd_ds",
@@ -78,10 +78,12 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
     return (TC_BWD_BLOCKS_AMPERE if cc_major < 9 else TC_BWD_BLOCKS)[d]
 
 
-# The Hopper rung (flash2_wg.cu, forward only): warpgroup MMAs, 2 warpgroups of 64 rows;
-# at d = 64 two CTAs of 64-key tiles share an SM (kernels_cu/NOTES.md, v7)
+# The Hopper rung (flash2_wg.cu): warpgroup MMAs, 2 warpgroups. Forward: 64 query rows
+# each; at d = 64 two CTAs of 64-key tiles share an SM (kernels_cu/NOTES.md, v7).
+# Backward: 64 keys each (Bc = 128), steps of Br queries, the tiles of the tc backward
 WG_HEAD_DIMS = (64, 128)
 WG_BLOCKS = {64: (128, 64), 128: (128, 128)}
+WG_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
 
@@ -122,15 +124,22 @@ TC_PRE_BR, TC_PRE_THREADS = 64, 128
 REF_THREADS = 128
 
 
+def wg_blocks(d: int, backward: bool = False) -> tuple[int, int]:
+    """(Br, Bc) of the Hopper forward, or of its backward (``backward``)."""
+    return (WG_BWD_BLOCKS if backward else WG_BLOCKS)[d]
+
+
 def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
-                block_sizes=None) -> bool:
-    """The Hopper forward runs these inputs on a device of compute capability ``cc``
-    (its sm_90a code runs on 9.0 alone) whose CTAs may opt in to ``smem_limit`` bytes."""
+                block_sizes=None, backward: bool = False) -> bool:
+    """The Hopper forward (or backward) runs these inputs on a device of compute
+    capability ``cc`` (its sm_90a code runs on 9.0 alone) whose CTAs may opt in to
+    ``smem_limit`` bytes."""
     if not (dtype in TC_DTYPES and d == dv and d in WG_HEAD_DIMS and cc == WG_COMPUTE_CAPABILITY):
         return False
-    tiles = WG_BLOCKS[d]
+    tiles = wg_blocks(d, backward)
+    kernel = "flash2_bwd_wg" if backward else "flash2_fwd_wg"
     return ((block_sizes is None or tuple(block_sizes) == tiles)
-            and smem_bytes("flash2_fwd_wg", *tiles, d, dv, dtype) <= smem_limit)
+            and smem_bytes(kernel, *tiles, d, dv, dtype) <= smem_limit)
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
@@ -173,6 +182,8 @@ LAUNCH_SPECS = {s.kernel: s for s in (
     LaunchSpec("flash2_bwd_main", "backward-main", "kv", "natural", ("dQacc",)),
     LaunchSpec("flash2_bwd_tc", "backward-main", "kv", "natural", ("dQacc",)),
     LaunchSpec("flash2_bwd_tc_det", "backward-main", "kv", "reversed", ("dQacc",)),
+    LaunchSpec("flash2_bwd_wg", "backward-main", "kv", "natural", ("dQacc",)),
+    LaunchSpec("flash2_bwd_wg_det", "backward-main", "kv", "reversed", ("dQacc",)),
     LaunchSpec("flash2_bwd_postprocess", "backward-post", "q", "natural"),
 )}
 
@@ -212,7 +223,7 @@ def threads(kernel: str, d: int, cc: int) -> int:
     """Threads per CTA of ``kernel`` at head dim d on a device of compute capability cc."""
     if kernel == "flash2_fwd_tc":
         return tc_threads(d, cc // 10)
-    if kernel == "flash2_fwd_wg":
+    if kernel in ("flash2_fwd_wg", "flash2_bwd_wg", "flash2_bwd_wg_det"):
         return WG_THREADS
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         return TC_BWD_THREADS
@@ -231,7 +242,8 @@ REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255},
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 128, 128: 252}, "kvcache_append": 32,
+              "flash2_fwd_wg": {64: 128, 128: 252}, "flash2_bwd_wg": {64: 250, 128: 234},
+              "flash2_bwd_wg_det": {64: 250, 128: 234}, "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
@@ -285,7 +297,8 @@ class Instance:
 
 # kernels with VAR (softcap and ALiBi) and VL (packed varlen batches) template arguments:
 # a plain instance, a variant one, and a varlen one that runs the variants too
-VARIANT_KERNELS = ("flash2_fwd_tc", "flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_fwd_wg")
+VARIANT_KERNELS = ("flash2_fwd_tc", "flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_fwd_wg",
+                   "flash2_bwd_wg", "flash2_bwd_wg_det")
 VARIANT_FLAGS = ((False, False), (True, False), (True, True))   # (VAR, VL)
 
 
@@ -400,6 +413,10 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
+    if kernel in ("flash2_bwd_wg", "flash2_bwd_wg_det"):
+        # K_j, V_j; Q_i, dO_i double-buffered; dSᵀ (swizzled, unpadded); L, D; and room
+        # to start the tiles on 1024 bytes
+        return (2 * Bc * d + 4 * Br * d + Bc * Br) * 2 + 4 * Br * 4 + 1024
     if kernel == "flash1_fwd":      # K_j, V_j; Q_i, O_i; S; m, ℓ and O's two weights
         return (Bc * d + Bc * dv + Br * d + Br * dv + Br * Bc + 4 * Br) * a
     if kernel == "flash1_bwd":      # K_j, V_j, dK_j, dV_j; Q_i, dO_i, dQ_i; P, dS; m, ℓ, D

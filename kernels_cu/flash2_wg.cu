@@ -135,6 +135,20 @@ template <> struct Wgmma<CTY, 64> {                                             
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                                       \
     }                                                                                                                    \
+    /* D (64 × 64) (+)= A B, A and B from shared memory, both MN-major (trans-a = trans-b                                \
+       = 1): the backward's dQ_i = dS K_j, A from dSᵀ (keys × queries), B from K_j */                                    \
+    static __device__ __forceinline__ void ss_mn(float* d, unsigned long long a, unsigned long long b, int accumulate) { \
+        asm volatile(                                                                                                    \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1;\n}\n"            \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+            : "l"(a), "l"(b), "r"(accumulate));                                                                          \
+    }                                                                                                                    \
 };
 FLASHSIM_WGMMA_64(__half, "f16")
 FLASHSIM_WGMMA_64(__nv_bfloat16, "bf16")
@@ -422,4 +436,317 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();
 #endif
+}
+
+// flash2_bwd_wg<T, D, VAR, VL>, flash2_bwd_wg_det<T, D, VAR, VL>: the backward main loop
+// on warpgroup MMAs (the pre-pass is flash2_tc.cu's flash2_bwd_preprocess_tc, the
+// post-pass the reference's). The schedule, tiles and traffic of flash2_bwd_tc: K/V-outer,
+// one CTA per K/V tile j of Bc = 128 keys, the visited Q tiles streaming through shared
+// memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128 at D = 64, 64 at
+// D = 128). Two warpgroups, 64 keys each: dK_j and dV_j of its keys stay in a warpgroup's
+// registers (wgmma accumulators) for the whole loop. Per step:
+//   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
+//      BrB queries per warpgroup, two commit groups;
+//   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
+//      dV_j += Pᵀ dO_i (A = Pᵀ from registers: the accumulator layout is the A layout;
+//      B = dO_i MN-major), which runs while the warps wait for dPᵀ;
+//   3. dSᵀ = Pᵀ ∘ (dPᵀ − D), then dK_j += dSᵀ Q_i the same way, and dSᵀ into shared
+//      memory (the 128-byte swizzle) for
+//   4. dQ_i = dS K_j after a CTA barrier (a warpgroup needs every key's dS): A = dSᵀ
+//      MN-major (the instruction transposes it), B = K_j MN-major; each warpgroup one
+//      64 × 64 block of dQ_i (D = 128: its half of the columns; D = 64: its half of the
+//      queries), added to the fp32 accumulator with two-float atomics (or in turns: DET).
+// mma.sync needs ldmatrix for every fragment of the five products and 8 warps to keep
+// the tensor cores fed; here the tensor cores read shared memory themselves and the
+// warps only run the elementwise work and the atomics.
+namespace wgb {
+constexpr int Bc = 128, THREADS = 256;
+template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
+
+__device__ __forceinline__ void add2(float* x, float a, float b) {
+    atomicAdd(reinterpret_cast<float2*>(x), make_float2(a, b));
+}
+}  // namespace wgb
+
+template <typename T, int D, bool DET, bool VAR, bool VL>
+__device__ __forceinline__ void
+bwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
+       const long long* __restrict__ at, const T* __restrict__ dO,
+       const float* __restrict__ L, const float* __restrict__ Dv,
+       float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
+       int Nq, int Nk, int ldq, int ldk, int ldv, int lddo, int lddk, int lddv, int left, int right, float scale, float k_in, float k_out,
+       const float* __restrict__ slopes, int* __restrict__ sem, const int* __restrict__ vl,
+       unsigned long long* io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace wg;
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(wg::THREADS == wgb::THREADS, "load_tile's passes assume two warpgroups");
+    constexpr int Bc = wgb::Bc, BrB = wgb::brb<D>();
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const unsigned sK = base;                        // Bc·D, D/64 column blocks of Bc rows
+    const unsigned sV = sK + Bc * D * 2;             // Bc·D
+    const unsigned sQ = sV + Bc * D * 2;             // 2 × BrB·D
+    const unsigned sdO = sQ + 2 * BrB * D * 2;       // 2 × BrB·D
+    const unsigned sdS = sdO + 2 * BrB * D * 2;      // dSᵀ: Bc keys × BrB queries (BrB/64 blocks)
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + Bc * BrB * 2 - smem_addr(smem_raw)));   // 2 × BrB, L·log2(e)
+    float* sD = sL + 2 * BrB;                                                                     // 2 × BrB
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, grp = warp >> 2;
+    const int g = lane >> 2, tig = lane & 3;
+    // deterministic mode takes the tiles from the last (flash2_bwd_tc's order and turns)
+    const int p = blockIdx.y;
+    const Seq sq = seq_at<VL>(vl, DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, Nq, Nk, BrB);
+    const int j = sq.tile, nq = sq.Nq, nk = sq.Nk;
+    const int j0 = j * Bc, cols = min(Bc, nk - j0);
+    const Band band{left, right, nk - nq};
+    int ilo, ihi;                                    // visited Q tiles, in units of BrB rows
+    band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
+    const int kr = grp * 64 + (warp & 3) * 16 + g;   // this thread's keys kr, kr + 8 in the tile
+
+    float dv[D / 2], dk[D / 2];                      // dV_j, dK_j of the warpgroup's 64 keys
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) dv[x] = dk[x] = 0.f;
+
+    // the sequence's first rows in Q_p and dO_p, read back from shared memory in the loop
+    // (flash2_bwd_tc: held in registers across it they spill)
+    __shared__ const T* s_qdo[2];
+    if (tid == 0) {
+        s_qdo[0] = Q + at_row0(at, p, AT_Q) + sq.q0 * (long long)ldq;
+        s_qdo[1] = dO + at_row0(at, p, AT_dO) + sq.q0 * (long long)lddo;
+    }
+    auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
+        const int i0 = i * BrB, rows = min(BrB, nq - i0);
+        const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
+        load_tile<T, D, BrB>(sQ + buf * BrB * D * 2, Qs + (long long)i0 * ldq, ldq, rows);     // HBM→SRAM: Q_i (Br·d)
+        load_tile<T, D, BrB>(sdO + buf * BrB * D * 2, dOs + (long long)i0 * lddo, lddo, rows); // HBM→SRAM: dO_i (Br·d)
+        // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
+        // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
+        for (int r = tid; r < BrB; r += THREADS) {
+            const float l = r < rows ? L[q_row + r] : neg_inf<float>();             // HBM→SRAM: L_i (Br)
+            sL[buf * BrB + r] = l == neg_inf<float>() ? -neg_inf<float>() : l * LOG2E;
+            sD[buf * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;                     // HBM→SRAM: D_i (Br)
+        }
+        cp_async_commit();
+    };
+
+    if (ihi >= ilo) {
+        load_tile<T, D, Bc>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols);   // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols);   // HBM→SRAM: V_j (Bc·d)
+        cp_async_commit();
+        __syncthreads();                             // s_qdo
+        load_q_step(ilo, 0, s_qdo[0], s_qdo[1]);
+    }
+    for (int i = ilo; i <= ihi; ++i) {
+        const int buf = (i - ilo) & 1;
+        const int i0 = i * BrB, rows = min(BrB, nq - i0);
+        const unsigned qb = sQ + buf * BrB * D * 2, dob = sdO + buf * BrB * D * 2;
+        // step i's tiles have landed and every warp is done with step i − 1 (its buffers,
+        // dSᵀ): step i + 1 may stream in
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
+
+        // 1. Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ: 64 keys × BrB queries, k = D
+        float s[BrB / 2], dp[BrB / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned step = (kk & 3) << 5;
+            Wgmma<T, BrB>::ss(s, desc(sK + (kk >> 2) * (Bc * 128) + grp * 64 * 128 + step, 16, 1024),
+                              desc(qb + (kk >> 2) * (BrB * 128) + step, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned step = (kk & 3) << 5;
+            Wgmma<T, BrB>::ss(dp, desc(sV + (kk >> 2) * (Bc * 128) + grp * 64 * 128 + step, 16, 1024),
+                              desc(dob + (kk >> 2) * (BrB * 128) + step, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per
+        // score, kept until dPᵀ landed, spilled at D = 64
+        wgmma_wait<VAR ? 0 : 1>();                   // Sᵀ is done; dPᵀ may run on
+        fence_regs<BrB / 2>(s);
+        if constexpr (VAR) fence_regs<BrB / 2>(dp);
+
+        // 2. Pᵀ, then dV_j += Pᵀ dO_i. Register 4t + e holds key kr + 8·(e ≥ 2), query
+        //    8t + 2·tig + (e & 1) of the step. Keys past Nk and pairs outside the band are
+        //    zeroed only in the steps that have them.
+        const bool partial = cols < Bc
+            || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
+            || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+        const float* sLb = sL + buf * BrB;
+        const float* sDb = sD + buf * BrB;
+        VarScores vs{};
+        float dist0 = 0.f;
+        if constexpr (VAR) {
+            vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
+            dist0 = (float)(i0 + tig * 2 + (nk - nq) - j0 - kr);   // q + off − key, per step
+        }
+#pragma unroll
+        for (int t = 0; t < BrB / 8; ++t) {
+            const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float l = (e & 1) ? l2.y : l2.x;
+                float th = 0.f;
+                if constexpr (VAR)
+                    s[4 * t + e] = ex2(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &th) - l);
+                else
+                    s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -l));
+                if (partial) {
+                    const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
+                    if (key >= nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
+                }
+                if constexpr (VAR) {                 // dSᵀ through the softcap (th = 0 without)
+                    const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+                    dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-th, th, 1.f);
+                }
+            }
+        }
+        unsigned pf[BrB / 16][4], dsf[BrB / 16][4];  // Pᵀ, dSᵀ in T: A operands, k-step of 16 queries
+#pragma unroll
+        for (int t = 0; t < BrB / 8; ++t) {
+            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
+            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
+        }
+        fence_regs<D / 2>(dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BrB / 16; ++kk)
+            Wgmma<T, D>::rs(dv, pf[kk], desc(dob + kk * 16 * 128, BrB * 128, 1024));
+        wgmma_commit();
+        if constexpr (!VAR) {
+            wgmma_wait<1>();                         // dPᵀ is done; dV_j's product may run on
+            fence_regs<BrB / 2>(dp);
+        }
+
+        // 3. dSᵀ = Pᵀ ∘ (dPᵀ − D) (VAR: formed above), dK_j += dSᵀ Q_i, dSᵀ to shared
+        //    memory: key row kr, query q at block q/64, 16-byte chunk (q%64)/8 ^ (kr & 7)
+#pragma unroll
+        for (int t = 0; t < BrB / 8; ++t) {
+            if constexpr (!VAR) {
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
+            }
+            dsf[t >> 1][(t & 1) * 2 + 0] = pack<T>(dp[4 * t], dp[4 * t + 1]);
+            dsf[t >> 1][(t & 1) * 2 + 1] = pack<T>(dp[4 * t + 2], dp[4 * t + 3]);
+            const unsigned at0 = sdS + (t >> 3) * (Bc * 128) + kr * 128 + (((t & 7) ^ g) << 4) + tig * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0), "r"(dsf[t >> 1][(t & 1) * 2 + 0]) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0 + 8 * 128), "r"(dsf[t >> 1][(t & 1) * 2 + 1]) : "memory");
+        }
+        fence_regs<D / 2>(dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BrB / 16; ++kk)
+            Wgmma<T, D>::rs(dk, dsf[kk], desc(qb + kk * 16 * 128, BrB * 128, 1024));
+        wgmma_commit();
+        fence_proxy_async();                         // dSᵀ, written by the warps, read by wgmma
+        asm volatile("bar.sync 1, %0;\n" :: "n"(THREADS) : "memory");   // every key's dSᵀ
+
+        // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × 64 columns, k = Bc
+        {
+            constexpr int QB = BrB / 64;             // query blocks: the warpgroups split
+            const int qblk = grp % QB, nblk = grp / QB;   // queries (D = 64) or columns (D = 128)
+            float dq[32];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk)
+                Wgmma<T, 64>::ss_mn(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
+                                    desc(sK + nblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();                         // and dV_j's, dK_j's products
+            fence_regs<32>(dq);
+            fence_regs<D / 2>(dv);
+            fence_regs<D / 2>(dk);
+#pragma unroll
+            for (int kk = 0; kk < BrB / 16; ++kk) {  // the products have read Pᵀ, dSᵀ: only now
+                asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+                asm volatile("" : "+r"(dsf[kk][0]), "+r"(dsf[kk][1]), "+r"(dsf[kk][2]), "+r"(dsf[kk][3]));
+            }
+            const long long q_row = (long long)p * Nq + sq.q0 + i0;
+            int* turn = sem + ((long long)opaque_ctaid_y() * ((Nq + BrB - 1) / BrB) + i);
+            if constexpr (DET && VL) {   // the turns of the sequence's Q tiles, per problem
+                const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
+                turn = sem + ((long long)p * st.tiles + st.t0 + i);
+            }
+            int mine = 0;                                     // visiting tiles after j
+            if constexpr (DET) {
+                int jlo, jhi;
+                band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
+                mine = jhi - j;
+                wait_turn(turn, mine);
+            }
+            const int r0 = qblk * 64 + (warp & 3) * 16 + g, r1 = r0 + 8;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                const int c = nblk * 64 + t * 8 + tig * 2;
+                if (r0 < rows) wgb::add2(dQacc + (q_row + r0) * D + c, scale * dq[4 * t], scale * dq[4 * t + 1]);
+                if (r1 < rows) wgb::add2(dQacc + (q_row + r1) * D + c, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+            }
+            if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
+        }
+    }
+    // the traffic, counted once after the loop, as flash2_bwd_tc's
+    if (ihi >= ilo) {
+        const long long q_rows = min(nq, (ihi + 1) * BrB) - ilo * BrB;
+        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
+        COUNT_IO(io, IO_Q_R, q_rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
+        COUNT_IO(io, IO_dO_R, q_rows * D * sizeof(T));            // HBM→SRAM: dO_i (Br·d)
+        COUNT_IO(io, IO_L_R, q_rows * 4);                         // HBM→SRAM: L_i (Br)
+        COUNT_IO(io, IO_D_R, q_rows * 4);                         // HBM→SRAM: D_i (Br)
+        COUNT_IO(io, IO_dQacc_R, q_rows * D * 4);                 // HBM→SRAM: dQacc_i (Br·d fp32)
+        COUNT_IO(io, IO_dQacc_W, q_rows * D * 4);                 // SRAM→HBM: dQacc_i (Br·d fp32)
+    }
+
+    // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
+    T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
+    T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv;
+    const int r1 = kr + 8;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int c = t * 8 + tig * 2;
+        if (kr < cols) {
+            *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + c) = pack<T>(scale * dk[4 * t], scale * dk[4 * t + 1]);
+            *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + c) = pack<T>(dv[4 * t], dv[4 * t + 1]);
+        }
+        if (r1 < cols) {
+            *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk[4 * t + 2], scale * dk[4 * t + 3]);
+            *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv[4 * t + 2], dv[4 * t + 3]);
+        }
+    }
+    COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
+#else
+    __trap();
+#endif
+}
+
+#define FLASHSIM_BWD_WG_PARAMS                                                              \
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,             \
+    const long long* __restrict__ at, const T* __restrict__ dO,                            \
+    const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
+    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int ldq, int ldk, int ldv,     \
+    int lddo, int lddk, int lddv, int left, int right,                                     \
+    float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
+    int* __restrict__ sem, const int* __restrict__ vl,                                     \
+    unsigned long long* io
+#define FLASHSIM_BWD_WG_ARGS Q, K, V, at, dO, L, Dv, dQacc, dK, dV, Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv, left, right, scale, k_in, k_out, slopes, sem, vl, io
+
+// dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
+template <typename T, int D, bool VAR, bool VL>
+__global__ void __launch_bounds__(wgb::THREADS, 1) flash2_bwd_wg(FLASHSIM_BWD_WG_PARAMS) {
+    bwd_wg<T, D, false, VAR, VL>(FLASHSIM_BWD_WG_ARGS);
+}
+
+// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
+template <typename T, int D, bool VAR, bool VL>
+__global__ void __launch_bounds__(wgb::THREADS, 1) flash2_bwd_wg_det(FLASHSIM_BWD_WG_PARAMS) {
+    bwd_wg<T, D, true, VAR, VL>(FLASHSIM_BWD_WG_ARGS);
 }

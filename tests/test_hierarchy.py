@@ -290,10 +290,11 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
             if name in outside:
                 continue
             spec = K.LAUNCH_SPECS[name]
-            if name in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
+            if name in ("flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_bwd_wg",
+                        "flash2_bwd_wg_det"):
                 line = re.search(r"seq_at<VL>\(vl, DET \? gridDim\.x - 1 - blockIdx\.x : "
                                  r"blockIdx\.x, .*\n\s*const int j = sq\.tile", body)
-                assert line, "the tc backward's j mapping moved"
+                assert line, "the fast backwards' j mapping moved"
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
             m = re.search(r"__global__ void[^;{]*?\b" + name + r"\(", body)
@@ -340,7 +341,10 @@ def test_grids_threads_and_occupancy():
     assert f.ctas_per_sm == 1 and f.slots == 132
     pre, main, post = h.launches(shape, "float16", H100, backward=True)
     assert (pre.kernel, main.kernel, post.kernel) == (
-        "flash2_bwd_preprocess_tc", "flash2_bwd_tc", "flash2_bwd_postprocess")
+        "flash2_bwd_preprocess_tc", "flash2_bwd_wg", "flash2_bwd_postprocess")
+    assert (main.Br, main.Bc) == K.WG_BWD_BLOCKS[128] and main.threads == 256
+    _, tc_main, _ = h.launches(shape, "float16", H100, backward=True, launch="tc")
+    assert tc_main.kernel == "flash2_bwd_tc"
     assert pre.grid == (4096 // K.TC_PRE_BR, 8) and main.grid == (2048 // 128, 8)
     assert post.grid == (4096 // 64, 8) and main.reduces == ("dQacc",)
     (a,) = h.launches(make_shape(Nq=512, Nk=512, d=64), "bfloat16", "A100")
@@ -348,8 +352,8 @@ def test_grids_threads_and_occupancy():
     (r,) = h.launches(make_shape(Nq=512, Nk=512, d=80), "float16", H100)
     assert r.kernel == "flash2_fwd" and (r.Br, r.Bc) == K.default_block_sizes(
         80, 80, "float16", H100.smem_per_block)
-    with pytest.raises(ValueError, match="forward only"):
-        h.launches(shape, "float16", H100, backward=True, launch="wg")
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        h.launches(shape, "float16", "A100", backward=True, launch="wg")
     with pytest.raises(ValueError, match="compute capability 9.0"):
         h.launches(shape, "float16", "A100", launch="wg")
 
@@ -419,7 +423,7 @@ def test_hardware_in_simulate_and_backward_equals_count():
     cb = fs.count_backward("flash2", Nq=200, Nk=200, d=64, batch_shape=(2, 4), causal=True,
                            hardware="H100", deterministic=True)
     assert g.prediction.levels == cb.levels and g.traffic == cb.traffic
-    assert [lp.launch.kernel for lp in cb.launches][1] == "flash2_bwd_tc_det"
+    assert [lp.launch.kernel for lp in cb.launches][1] == "flash2_bwd_wg_det"
     # without hardware, nothing changes
     assert fs.simulate(q, k, v, "flash2", block_sizes=(128, 64), causal=True).prediction is None
 
@@ -444,7 +448,7 @@ def test_levels_compare_add_and_print():
     assert lv == p.levels and set(lv) == {"SM-L2", "L2-DRAM", "compulsory"}
     assert (lv + lv)["SM-L2"] == lv.sm_l2 * 2
     text = p.table()
-    assert "SM↔L2 reduce" in text and "L2↔DRAM read" in text and "flash2_bwd_tc" in text
+    assert "SM↔L2 reduce" in text and "L2↔DRAM read" in text and "flash2_bwd_wg" in text
     with pytest.raises(KeyError, match="levels are"):
         lv["HBM"]
 

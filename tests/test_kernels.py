@@ -44,10 +44,10 @@ def test_every_kernel_compiles_without_spills(arch):
                 for i in kernels.instances() for inst in (False, True)
                 if kernels.source_arch(i.source, arch)}
     # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: 4 × 2 × 2 and
-    # the softcap/ALiBi and varlen instances of 3 of them; wg (sm_90a only): 1 × 2 × 2,
+    # the softcap/ALiBi and varlen instances of 3 of them; wg (sm_90a only): 3 × 2 × 2,
     # plain, softcap/ALiBi and varlen; decoding: 4 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + 10 * 4
-                                 + (12 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (36 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -98,6 +98,8 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
             Br, Bc = kernels.tc_blocks(d, cc // 10, r.variant)
         elif r.kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
             Br, Bc = kernels.tc_bwd_blocks(d, cc // 10)
+        elif r.kernel in ("flash2_bwd_wg", "flash2_bwd_wg_det"):
+            Br, Bc = kernels.wg_blocks(d, backward=True)
         elif r.kernel.startswith("splitkv_fwd_tc_m"):
             Br, Bc = int(r.kernel.rsplit("_m", 1)[1]), kernels.SPLITKV_BC
         else:

@@ -21,14 +21,14 @@ KERNELS = ("auto", "ref", "tc", "wg")
 LOG2E = math.log2(math.e)
 
 
-def _wg_supports(shape: Shape, dtype: str, block_sizes) -> bool:
-    """The Hopper forward runs these inputs on the current device (compute capability
-    9.0: its sm_90a code runs on no other)."""
+def _wg_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
+    """The Hopper forward (or backward) runs these inputs on the current device (compute
+    capability 9.0: its sm_90a code runs on no other)."""
     if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.WG_HEAD_DIMS):
         return False
     device = dev.cupy().cuda.Device().id
     return K.wg_supports(shape.d, shape.dv, dtype, dev.cc(device), dev.smem_limit_on(device),
-                         block_sizes)
+                         block_sizes, backward)
 
 
 def _tc_tiles(d: int, backward: bool, var: bool = False) -> tuple[int, int]:
@@ -51,7 +51,7 @@ def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False,
 
 def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool = False,
             variant: str | None = None, var: bool = False) -> str:
-    """The fastest rung that supports the inputs: "wg" (Hopper, forward), "tc" (tensor
+    """The fastest rung that supports the inputs: "wg" (Hopper), "tc" (tensor
     cores), else "ref"; or the one asked for, with an error where it cannot run them.
     Every rung runs the variants (window, softcap, ALiBi; ``variant`` names those asked
     for, kept for the messages; ``var``: softcap or ALiBi, whose instance may have its
@@ -69,15 +69,13 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
                              "kernel='tc', 'ref' or 'auto'")
         if kernel == "auto":
             return "ref"
-    if kernel == "wg" and backward:
-        raise ValueError("the Hopper kernel ('wg') is a forward only; the backward runs on "
-                         "kernel='tc' (or 'auto', which picks it)")
-    if kernel in ("auto", "wg") and not backward and _wg_supports(shape, dtype, block_sizes):
+    if kernel in ("auto", "wg") and _wg_supports(shape, dtype, block_sizes, backward):
         return "wg"
     if kernel == "wg":
         raise ValueError(
             f"the Hopper kernel runs float16/bfloat16 with d = dv in {K.WG_HEAD_DIMS} and "
-            f"its own tiles {K.WG_BLOCKS}, on a device of compute capability 9.0 (this one: "
+            f"its own tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on a device of "
+            f"compute capability 9.0 (this one: "
             f"{dev.cc(dev.cupy().cuda.Device().id) / 10:.1f}); got {dtype}, d={shape.d}, "
             f"dv={shape.dv}, block_sizes={block_sizes}. Use kernel='tc', 'ref' or 'auto'.")
     if _tc_supports(shape, dtype, block_sizes, backward, var):
@@ -171,7 +169,7 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
     which = _choose(kernel, shape, qi.dtype, None, backward,
                     variant=_asked(window, softcap, alibi_slopes), var=var)
     if which == "wg":
-        return K.WG_BLOCKS[shape.d]
+        return K.wg_blocks(shape.d, backward)
     if which == "tc":
         return _tc_tiles(shape.d, backward, var)
     return _blocks(None, shape, qi.dtype, backward)
@@ -276,8 +274,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
                        deterministic: bool = False, algorithm: str = "flash2"):
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
-    `attention`: the tensor-core main loop ("tc": float16/bfloat16, d = dv ∈ {64, 128},
-    tiles `block_sizes(q, v, backward=True)`) or the reference ("ref").
+    `attention`: the Hopper main loop ("wg": warpgroup MMAs, compute capability 9.0), the
+    tensor-core one ("tc"; both float16/bfloat16, d = dv ∈ {64, 128}, tiles
+    `block_sizes(q, v, backward=True)`) or the reference ("ref").
 
     dQ is summed over the K/V tiles with fp32 atomics, whose order varies from run to
     run, and so do the last bits of dq. ``deterministic=True`` makes the tiles add in a
@@ -296,9 +295,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
                                        softcap=softcap, alibi_slopes=alibi_slopes,
                                        block_sizes=block_sizes, count_io=count_io)
     plain = _asked(window, softcap, alibi_slopes) is None
-    if (plain and not count_io and block_sizes is None and kernel in ("auto", "tc")
+    if (plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg")
             and not deterministic):
-        fast = _torch_backward(q, k, v, out, lse, dout, causal, scale)
+        fast = _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel)
         if fast is not None:
             return fast
     with arrays.stream(q):
@@ -342,7 +341,9 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
                                                       softcap, alibi_slopes)
     which = _choose(kernel, shape, dtype, block_sizes, backward=True, variant=variant)
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
-    if which == "tc":
+    if which == "wg":
+        Br, Bc = K.wg_blocks(shape.d, True)
+    elif which == "tc":
         Br, Bc = _tc_tiles(shape.d, True)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
@@ -375,12 +376,12 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     def grid(name):
         return K.grid(name, Nq, Nk, Br, Bc, P)
 
-    if which == "tc":
+    if which in ("tc", "wg"):      # the same pre-pass; main loops of one signature
         name = "flash2_bwd_preprocess_tc"
         dev.launch(cp, dev.kernel(name, dtype, count_io, d), grid(name), 0, (*pre, io),
                    threads=K.threads(name, d, cc))
-        smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, dv, dtype)
-        name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
+        name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
+        smem = K.smem_bytes(name, Br, Bc, d, dv, dtype)
         dev.launch(cp, dev.kernel(name, dtype, count_io, d, var), grid(name), smem,
                    (*main, i32(left), i32(right), np.float32(scale),
                     *_fast_variants(cp, scale, softcap, slopes), sem, np.uint64(0), io),
@@ -554,8 +555,9 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
     return plan                                         # the first backward call
 
 
-def _torch_backward(q, k, v, out, lse, dout, causal, scale):
-    """The tensor-core backward on the fast path's terms (see _torch_forward), without
+def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
+    """The Hopper or tensor-core backward (as ``kernel`` and the device allow) on the
+    fast path's terms (see _torch_forward), without
     GQA (whose dK, dV group sums the general path does), unordered dQ atomics; out and
     dout in any layout the kernels read, dq, dk, dv as `torch.empty_like` of q, k, v.
     Returns None for anything else."""
@@ -575,10 +577,10 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
     plan = _torch_forward_plan(q, k, v, causal, scale, "tc")
     if plan is None:
         return None
-    key = (out.stride(), dout.stride())
+    key = (kernel, out.stride(), dout.stride())
     bwd = plan.bwd.get(key)
     if bwd is None:
-        bwd = plan.bwd[key] = _plan_torch_backward(plan, q, k, v, out, dout)
+        bwd = plan.bwd[key] = _plan_torch_backward(plan, q, k, v, out, dout, kernel)
     if bwd is False:      # tiles too large here, or strides it cannot read: the general path
         return None
     B, H, Nq, d = q.shape
@@ -596,10 +598,11 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale):
     return dq, dk, dv
 
 
-def _plan_torch_backward(plan, q, k, v, out, dout):
+def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
     """The backward's row table and three launchers (pre-pass, main loop, post-pass) for
     a forward plan's shapes and these out, dout strides, or False where its tiles do not
-    fit the device's shared memory or the kernels cannot read a layout."""
+    fit the device's shared memory or the kernels cannot read a layout. The main loop is
+    the Hopper one where the device runs it (unless ``kernel`` is "tc")."""
     import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
@@ -607,8 +610,13 @@ def _plan_torch_backward(plan, q, k, v, out, dout):
     cp = plan.cp
     A = arrays
     with cp.cuda.Device(q.device.index):
-        Br, Bc = _tc_tiles(d, True)
-        smem = K.smem_bytes("flash2_bwd_tc", Br, Bc, d, d, dtype)
+        if kernel != "tc" and _wg_supports(plan.shape, dtype, None, backward=True):
+            name, (Br, Bc) = "flash2_bwd_wg", K.wg_blocks(d, True)
+        elif kernel == "wg":
+            return False         # the general path says why
+        else:
+            name, (Br, Bc) = "flash2_bwd_tc", _tc_tiles(d, True)
+        smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
         views = _views(cp, dtype, q, k, v, out, dout, torch.empty_like(q), torch.empty_like(k),
                        torch.empty_like(v))
         if smem > dev.smem_limit() or views is None:
@@ -626,9 +634,8 @@ def _plan_torch_backward(plan, q, k, v, out, dout):
                         (Nq, ld[A.AT_O], ld[A.AT_dO], plan.io))
         # (Q, K, V, at, dO, L, D, dQacc, dK, dV | Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv,
         #  left, right, scale, k_in, k_out, slopes, sem, vl, io)
-        main = _Launcher(dev.kernel("flash2_bwd_tc", dtype, False, d), "10Q10ifff4xQQQQ",
-                         K.grid("flash2_bwd_tc", Nq, Nk, Br, Bc, P),
-                         K.threads("flash2_bwd_tc", d, cc), smem,
+        main = _Launcher(dev.kernel(name, dtype, False, d), "10Q10ifff4xQQQQ",
+                         K.grid(name, Nq, Nk, Br, Bc, P), K.threads(name, d, cc), smem,
                          (Nq, Nk, *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK,
                                                     A.AT_dV)),
                           plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, 0, plan.io))

@@ -248,7 +248,9 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          f"{tuple(L.shape)}")
     L = cp.ascontiguousarray(L.astype(cp.float32, copy=False))
     which = bt.rung(block_sizes, backward=True)
-    if which == "tc":
+    if which == "wg":
+        Br, Bc = K.wg_blocks(bt.d, True)
+    elif which == "tc":
         Br, Bc = _tc_tiles(bt.d, True)
     else:
         Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=True)
@@ -284,12 +286,12 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     sem = cp.zeros(bt.Hq * q_tiles, dtype=cp.int32) if deterministic else np.uint64(0)
     # the pre- and post-pass are per row: all of a head's rows are one problem for them
     rows = (-(-bt.Tq // Br), bt.Hq)
-    if which == "tc":
+    if which in ("tc", "wg"):
         name = "flash2_bwd_preprocess_tc"
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d),
                    K.grid(name, bt.Tq, bt.Tk, Br, Bc, bt.Hq), 0,
                    (*pre, io), threads=K.threads(name, bt.d, cc))
-        name = "flash2_bwd_tc_det" if deterministic else "flash2_bwd_tc"
+        name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
         smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
                    smem, (*main, i32(bt.left), i32(bt.right), np.float32(bt.scale),
