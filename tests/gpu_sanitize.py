@@ -85,10 +85,11 @@ def main(n_cases: int = 8) -> int:
                     for kernel in ("tc", "auto"):
                         out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, kernel=kernel,
                                                     count_io=kernel == "tc", **var)[:2]
-                    fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
-                                              kernel="tc", deterministic=not causal, **var)
-                    launches += 5
-                    fast_variants += 5
+                        fs.gpu.attention_backward(qd, kd, vd, out, lse, dout, causal=causal,
+                                                  kernel=kernel, deterministic=not causal,
+                                                  **var)
+                    launches += 8
+                    fast_variants += 8
     launches += decoding(rng, n_cases, [d for d in dtypes if d in ("float16", "bfloat16")])
     launches += varlen(rng, n_cases, dtypes)
     launches += paper_algorithms(rng, n_cases, dtypes)
@@ -167,10 +168,11 @@ def varlen_fast(rng, n_cases, dtypes):
                                                        kernel=kernel, **var)[:2]
                     launches += 1
                 dout = dev(rng.standard_normal(tuple(out.shape)), dtype)
-                fs.gpu.attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k,
-                                                 count_io=count_io, kernel="tc",
-                                                 deterministic=count_io, **var)
-                launches += 3
+                for kernel in ("tc", "auto"):
+                    fs.gpu.attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k,
+                                                     count_io=count_io, kernel=kernel,
+                                                     deterministic=count_io, **var)
+                    launches += 3
     return launches
 
 

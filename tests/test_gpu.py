@@ -153,12 +153,13 @@ def hopper():
     return cp.cuda.Device().compute_capability == "90"
 
 
-# the forward's fast rungs: mma.sync everywhere, warpgroup MMAs on compute capability 9.0
-FAST_FORWARD = ["tc", pytest.param("wg", marks=pytest.mark.skipif(
+# the fast rungs, forward and backward: mma.sync everywhere, warpgroup MMAs on compute
+# capability 9.0
+FAST_RUNGS = ["tc", pytest.param("wg", marks=pytest.mark.skipif(
     not fs.gpu.available() or not hopper(), reason="the wg kernel needs compute capability 9.0"))]
 
 
-@pytest.mark.parametrize("kernel", FAST_FORWARD)
+@pytest.mark.parametrize("kernel", FAST_RUNGS)
 @given(problem=gpu_problems(head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False,
                             same_dv=True))
 def test_tensor_core_forward_matches_simulator(poisoned, kernel, problem):
@@ -212,10 +213,11 @@ def test_backward_matches_simulator(poisoned, problem, deterministic):
     check_backward(*problem, kernel="ref", deterministic=deterministic)
 
 
-@given(gpu_problems(max_seq=400, head_dims=(64, 128), dtypes=TC_DTYPES, any_blocks=False,
-                    same_dv=True), st.booleans())
-def test_tensor_core_backward_matches_simulator(poisoned, problem, deterministic):
-    check_backward(*problem, kernel="tc", deterministic=deterministic)
+@pytest.mark.parametrize("kernel", FAST_RUNGS)
+@given(problem=gpu_problems(max_seq=400, head_dims=(64, 128), dtypes=TC_DTYPES,
+                            any_blocks=False, same_dv=True), deterministic=st.booleans())
+def test_tensor_core_backward_matches_simulator(poisoned, kernel, problem, deterministic):
+    check_backward(*problem, kernel=kernel, deterministic=deterministic)
 
 
 def check_backward(q, k, v, dtype, causal, blocks, kernel, deterministic=False):
@@ -459,20 +461,27 @@ def test_deterministic_outputs_for_the_forward():
     assert bool((a == b).all())
 
 
-@pytest.mark.parametrize("kernel, dtype, d", [("tc", "float16", 64), ("tc", "float16", 128),
-                                              ("ref", "float32", 40)])
+HOPPER_ONLY = pytest.mark.skipif(not fs.gpu.available() or not hopper(),
+                                 reason="the wg kernel needs compute capability 9.0")
+
+
+@pytest.mark.parametrize("kernel, dtype, d", [
+    ("tc", "float16", 64), ("tc", "float16", 128), ("ref", "float32", 40),
+    pytest.param("wg", "float16", 64, marks=HOPPER_ONLY),
+    pytest.param("wg", "bfloat16", 128, marks=HOPPER_ONLY)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_backward_is_the_same_bits_every_run(kernel, dtype, d, causal):
     """Many K/V tiles add into each Q tile's dQ (Nk = 1500): with atomics their order
-    varies; deterministic=True must give identical bits, the same traffic, and values
-    within rounding of the atomic run."""
+    varies; deterministic=True must give identical bits (50 runs on the fast rungs), the
+    same traffic, and values within rounding of the atomic run."""
     rng = np.random.default_rng(9)
     B, hk, g, Nq, Nk = 2, 2, 2, 333, 1500
     q, k, v, dout = (dev(rng.standard_normal(s), dtype) for s in
                      ((B, hk * g, Nq, d), (B, hk, Nk, d), (B, hk, Nk, d), (B, hk * g, Nq, d)))
     out, lse = fs.gpu.attention(q, k, v, causal=causal, kernel=kernel)
     runs = [fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, kernel=kernel,
-                                      deterministic=True, count_io=True) for _ in range(3)]
+                                      deterministic=True, count_io=True)
+            for _ in range(3 if kernel == "ref" else 50)]
     free = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=causal, kernel=kernel,
                                      count_io=True)
     first = [host(x) for x in runs[0][:3]]
@@ -504,7 +513,7 @@ ODD = [(113, 203, 40), (128, 217, 59), (108, 256, 96), (1023, 1024, 111), (203, 
 ODD_TC = [(113, 203, 64), (128, 217, 128), (1023, 1024, 64), (7, 1023, 128), (1023, 7, 64)]
 
 
-@pytest.mark.parametrize("kernel", FAST_FORWARD)
+@pytest.mark.parametrize("kernel", FAST_RUNGS)
 @pytest.mark.parametrize("Nq, Nk, d", ODD_TC)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
@@ -517,9 +526,9 @@ def test_odd_shapes_tensor_core(poisoned, kernel, Nq, Nk, d, dtype, causal):
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("torch_in", [False, True])
-def test_auto_runs_the_hopper_forward_on_hopper(torch_in):
-    """On a 9.0 device "auto" is the wg forward, on the fast path too; its tiles are the
-    ones block_sizes reports; the backward runs on the tc kernel."""
+def test_auto_runs_the_hopper_kernels_on_hopper(torch_in):
+    """On a 9.0 device "auto" is the wg forward and backward, on the fast path too; their
+    tiles are the ones block_sizes reports."""
     if torch_in and not HAVE_TORCH:
         pytest.skip("PyTorch with CUDA not installed")
     rng = np.random.default_rng(13)
@@ -537,10 +546,13 @@ def test_auto_runs_the_hopper_forward_on_hopper(torch_in):
     assert np.array_equal(host(out), host(wg)) and np.array_equal(host(lse), host(wg_lse))
     assert not np.array_equal(host(out), host(tc))   # two kernels (tiles of 128 vs 64 keys)
     assert np.abs(host(out) - host(tc)).max() < 1e-2
+    assert fs.gpu.block_sizes(q, v, backward=True) == fs.kernels.WG_BWD_BLOCKS[128]
     grads = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True)
-    want = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True, kernel="tc")
-    for a, b in zip(grads[1:], want[1:]):
+    want = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True, kernel="wg")
+    tc = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True, kernel="tc")
+    for a, b, c in zip(grads[1:], want[1:], tc[1:]):   # dK, dV: no atomics, the same bits
         assert np.array_equal(host(a), host(b))
+        assert np.abs(host(a) - host(c)).max() <= 1e-2 * np.abs(host(c)).max()
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
@@ -678,15 +690,16 @@ def fast_variant_problems(dtypes=None, max_seq=400):
                             head_dims=fs.kernels.TC_HEAD_DIMS, fast=True)
 
 
-@pytest.mark.parametrize("kernel", FAST_FORWARD)
+@pytest.mark.parametrize("kernel", FAST_RUNGS)
 @given(problem=fast_variant_problems())
 def test_fast_rungs_run_the_variants_forward(poisoned, kernel, problem):
     check_variants_forward(*problem, kernel=kernel)
 
 
-@given(fast_variant_problems(), st.booleans())
-def test_fast_rungs_run_the_variants_backward(poisoned, problem, deterministic):
-    check_variants_backward(*problem, deterministic, kernel="tc")
+@pytest.mark.parametrize("kernel", FAST_RUNGS)
+@given(problem=fast_variant_problems(), deterministic=st.booleans())
+def test_fast_rungs_run_the_variants_backward(poisoned, kernel, problem, deterministic):
+    check_variants_backward(*problem, deterministic, kernel=kernel)
 
 
 def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
@@ -990,6 +1003,5 @@ def test_varlen_matches_each_sequence_and_the_simulators_counts(poisoned, proble
        st.sampled_from(["auto", "tc"]))
 def test_varlen_on_the_fast_rungs_matches_each_sequence_and_the_counts(poisoned, problem,
                                                                       deterministic, kernel):
-    """kernel="auto": the Hopper forward on 9.0; "tc": the mma.sync one; the tensor-core
-    backward either way."""
+    """kernel="auto": the Hopper forward and backward on 9.0; "tc": the mma.sync ones."""
     check_varlen(*problem, deterministic=deterministic, kernel=kernel)

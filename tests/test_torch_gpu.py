@@ -73,7 +73,7 @@ def test_flash_attn_layout_on_the_device():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_varlen_and_variants_on_the_device(dtype):
-    """flash_attn_varlen_func on CUDA (the packed kernels: wg or tc forward, tc backward)
+    """flash_attn_varlen_func on CUDA (the packed kernels: wg or tc, forward and backward)
     gives each sequence's own flash_attn_func output and (deterministic) gradients bit for
     bit: the same varlen/variant instance arithmetic (ALiBi slopes of 0 make the dense
     call take it); torch.compile traces it without graph breaks."""

@@ -113,14 +113,18 @@ def headers_digest() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def module(source: str, count_io: bool, device: int):
+def module(source: str, count_io: bool, device: int, exprs: tuple | None = None):
+    """The kernels of ``source`` built for ``device``: all its instances, or those named
+    (``exprs``: NVRTC name expressions; the arch-specific sources are built one instance
+    at a time, as asked for: each of their instances takes ptxas seconds, and a first
+    call should not wait for all of them)."""
     cp = cupy()
     code = (K.kernel_dir() / source).read_text() + f"\n// headers: {headers_digest()}\n"
     if source in K.ARCH_SPECIFIC:
         if is_emulated():
             raise GPUUnavailableError(f"{source} ({K.ARCH_SPECIFIC[source]}) is not emulated: "
                                       "the CPU emulation runs the reference rung")
-        return ArchModule(source, code, count_io)
+        return ArchModule(source, code, count_io, exprs)
     return cp.RawModule(code=code, options=compile_options(count_io),
                         name_expressions=K.name_expressions(source))
 
@@ -131,10 +135,10 @@ class ArchModule:
     cubin and the kernels' mangled names are cached on disk beside CuPy's own kernels,
     keyed by everything the build depends on."""
 
-    def __init__(self, source: str, code: str, count_io: bool):
+    def __init__(self, source: str, code: str, count_io: bool, exprs=None):
         cp = cupy()
         from cupy_backends.cuda.libs import nvrtc
-        exprs = K.name_expressions(source)
+        exprs = list(exprs or K.name_expressions(source))
         opts = compile_options(count_io) + (f"-arch={K.ARCH_SPECIFIC[source]}",)
         # code ends with the headers' digest (module)
         key = hashlib.sha256("\0".join((code, *opts, *exprs, str(nvrtc.getVersion())))
@@ -212,7 +216,8 @@ def kernel(name: str, dtype: str, count_io: bool, D: int | None = None, variant:
 def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int,
               variant: bool = False, varlen: bool = False):
     inst = K.instance(name, dtype, D, variant, varlen)
-    return module(inst.source, count_io, device).get_function(inst.expr)
+    one = (inst.expr,) if inst.source in K.ARCH_SPECIFIC else None
+    return module(inst.source, count_io, device, one).get_function(inst.expr)
 
 
 @functools.lru_cache(maxsize=None)
