@@ -104,7 +104,8 @@ EFFICIENCY = {
     ("flash2_bwd_tc_det", 64): 0.206, ("flash2_bwd_tc_det", 128): 0.240,
     # the Hopper backward: not yet measured with ncu; the tc rows scaled by the two
     # kernels' TFLOP/s in one benchmark run (H100, float16, N = 16384, no mask:
-    # analysis/bench_attention.py, wg / tc = 316 / 233 at d = 64, 337 / 268 at d = 128)
+    # analysis/bench_attention.py, wg / tc = 316 / 233 at d = 64, 337 / 268 at d = 128);
+    # its deterministic mode 0.82 of that (do_bench there: 0.85 at d = 64, 0.82 at 128)
     ("flash2_bwd_wg", 64): 0.341, ("flash2_bwd_wg", 128): 0.363,
     ("flash2_bwd_wg_det", 64): 0.280, ("flash2_bwd_wg_det", 128): 0.302,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,

@@ -322,3 +322,19 @@ __device__ __forceinline__ void fwd_tile_count(unsigned long long* io, int rows,
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
 }
+
+// The traffic of the fast backwards' CTA of a K/V tile of `cols` keys whose visited Q
+// steps hold q_rows rows (the last cut at Nq), counted once after the main loop:
+// K_j, V_j once, and per step Q_i, dO_i, L_i, D_i in and dQacc_i in and out (dK_j and
+// dV_j are counted where they are written)
+template <typename T, int D>
+__device__ __forceinline__ void bwd_tile_count(unsigned long long* io, int cols, long long q_rows) {
+    COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+    COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
+    COUNT_IO(io, IO_Q_R, q_rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
+    COUNT_IO(io, IO_dO_R, q_rows * D * sizeof(T));            // HBM→SRAM: dO_i (Br·d)
+    COUNT_IO(io, IO_L_R, q_rows * 4);                         // HBM→SRAM: L_i (Br)
+    COUNT_IO(io, IO_D_R, q_rows * 4);                         // HBM→SRAM: D_i (Br)
+    COUNT_IO(io, IO_dQacc_R, q_rows * D * 4);                 // HBM→SRAM: dQacc_i (Br·d fp32)
+    COUNT_IO(io, IO_dQacc_W, q_rows * D * 4);                 // SRAM→HBM: dQacc_i (Br·d fp32)
+}

@@ -746,17 +746,7 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     // the traffic, counted once after the loop (counter updates inside it would hold
     // registers): K_j, V_j once, and per visited step i = ilo..ihi (the last cut at Nq)
     // Q_i, dO_i, L_i, D_i in and dQacc_i in and out
-    if (ihi >= ilo) {
-        const long long q_rows = min(nq, (ihi + 1) * BrB) - ilo * BrB;
-        COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
-        COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
-        COUNT_IO(io, IO_Q_R, q_rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
-        COUNT_IO(io, IO_dO_R, q_rows * D * sizeof(T));            // HBM→SRAM: dO_i (Br·d)
-        COUNT_IO(io, IO_L_R, q_rows * 4);                         // HBM→SRAM: L_i (Br)
-        COUNT_IO(io, IO_D_R, q_rows * 4);                         // HBM→SRAM: D_i (Br)
-        COUNT_IO(io, IO_dQacc_R, q_rows * D * 4);                 // HBM→SRAM: dQacc_i (Br·d fp32)
-        COUNT_IO(io, IO_dQacc_W, q_rows * D * 4);                 // SRAM→HBM: dQacc_i (Br·d fp32)
-    }
+    if (ihi >= ilo) bwd_tile_count<T, D>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB);
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     // (the table read here, not hoisted above the loop into registers it needs)
@@ -782,27 +772,17 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
 }
 
-#define FLASHSIM_BWD_TC_PARAMS                                                              \
-    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,             \
-    const long long* __restrict__ at, const T* __restrict__ dO,                            \
-    const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
-    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int ldq, int ldk, int ldv,     \
-    int lddo, int lddk, int lddv, int left, int right,                                     \
-    float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
-    int* __restrict__ sem, const int* __restrict__ vl,                                     \
-    unsigned long long* io
-#define FLASHSIM_BWD_TC_ARGS Q, K, V, at, dO, L, Dv, dQacc, dK, dV, Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv, left, right, scale, k_in, k_out, slopes, sem, vl, io
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
 template <typename T, int D, bool VAR, bool VL>
-__global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc(FLASHSIM_BWD_TC_PARAMS) {
-    bwd_tc<T, D, false, VAR, VL>(FLASHSIM_BWD_TC_ARGS);
+__global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc(FLASHSIM_BWD_PARAMS) {
+    bwd_tc<T, D, false, VAR, VL>(FLASHSIM_BWD_ARGS);
 }
 
 // dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
 template <typename T, int D, bool VAR, bool VL>
-__global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BWD_TC_PARAMS) {
-    bwd_tc<T, D, true, VAR, VL>(FLASHSIM_BWD_TC_ARGS);
+__global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BWD_PARAMS) {
+    bwd_tc<T, D, true, VAR, VL>(FLASHSIM_BWD_ARGS);
 }
 
 // flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the

@@ -144,3 +144,16 @@ __device__ __forceinline__ void quad_sum(float& r0, float& r1) {
         r1 += __shfl_xor_sync(0xffffffff, r1, off);
     }
 }
+
+// The fast backward main loops' parameters (flash2_bwd_tc, flash2_bwd_wg and their
+// deterministic forms: one signature, so one launcher serves them all)
+#define FLASHSIM_BWD_PARAMS                                                                 \
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,             \
+    const long long* __restrict__ at, const T* __restrict__ dO,                            \
+    const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
+    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int ldq, int ldk, int ldv,     \
+    int lddo, int lddk, int lddv, int left, int right,                                     \
+    float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
+    int* __restrict__ sem, const int* __restrict__ vl,                                     \
+    unsigned long long* io
+#define FLASHSIM_BWD_ARGS Q, K, V, at, dO, L, Dv, dQacc, dK, dV, Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv, left, right, scale, k_in, k_out, slopes, sem, vl, io
