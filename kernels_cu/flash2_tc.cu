@@ -438,16 +438,6 @@ template <int D> __host__ __device__ constexpr int brb() {
 // 8 warps, 32 keys each in products 1 and 2: Bc = 128 keys per CTA halves the dQ atomics
 // against Bc = 64
 constexpr int WARPS = 8, Bc = 128, THREADS = 32 * WARPS;
-
-// dQacc[x], dQacc[x + 1] += (a, b): one vector reduction on sm_90, two before it
-__device__ __forceinline__ void add2(float* x, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(x), make_float2(a, b));
-#else
-    atomicAdd(x, a);
-    atomicAdd(x + 1, b);
-#endif
-}
 }  // namespace tcb
 
 // The body of both backward kernels: DET = false adds into dQacc with unordered atomics
@@ -456,13 +446,7 @@ __device__ __forceinline__ void add2(float* x, float a, float b) {
 // and with j chosen at run time ptxas spilled at D = 128.
 template <typename T, int D, bool DET, bool VAR, bool VL>
 __device__ __forceinline__ void
-bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-       const long long* __restrict__ at, const T* __restrict__ dO,
-       const float* __restrict__ L, const float* __restrict__ Dv,
-       float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-       int Nq, int Nk, int ldq, int ldk, int ldv, int lddo, int lddk, int lddv, int left, int right, float scale, float k_in, float k_out,
-       const float* __restrict__ slopes, int* __restrict__ sem, const int* __restrict__ vl,
-       unsigned long long* io) {
+bwd_tc(FLASHSIM_BWD_PARAMS) {
     using namespace tc;
     constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
     constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
@@ -696,18 +680,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
         //    k = Bc keys (.trans: dS from dSᵀ, K_j's rows are keys)
         {
             const long long q_row = (long long)p * Nq + sq.q0 + i0;
-            // (the problem re-read from the special register: p held here cost a spill)
-            int* turn = sem + ((long long)opaque_ctaid_y() * ((Nq + BrB - 1) / BrB) + i);
-            if constexpr (DET && VL) {   // the turns of the sequence's Q tiles, per problem
-                const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
-                turn = sem + ((long long)p * st.tiles + st.t0 + i);
-            }
-            int mine = 0;                                     // visiting tiles after j
-            if constexpr (DET) {
-                int jlo, jhi;
-                band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
-                mine = jhi - j;
-            }
+            int mine = 0;
+            int* turn = dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
             float dq[2][DQ][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
@@ -736,8 +710,8 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
 #pragma unroll
                 for (int t = 0; t < DQ; ++t) {
                     const int c = wd * DQ * 8 + t * 8 + tig * 2;
-                    if (r0 < rows) tcb::add2(dQacc + (q_row + r0) * D + c, scale * dq[mt][t][0], scale * dq[mt][t][1]);
-                    if (r1 < rows) tcb::add2(dQacc + (q_row + r1) * D + c, scale * dq[mt][t][2], scale * dq[mt][t][3]);
+                    if (r0 < rows) add2(dQacc + (q_row + r0) * D + c, scale * dq[mt][t][0], scale * dq[mt][t][1]);
+                    if (r1 < rows) add2(dQacc + (q_row + r1) * D + c, scale * dq[mt][t][2], scale * dq[mt][t][3]);
                 }
             }
             if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
@@ -771,7 +745,6 @@ bwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
     COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
 }
-
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
 template <typename T, int D, bool VAR, bool VL>

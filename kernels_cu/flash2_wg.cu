@@ -109,18 +109,21 @@ template <typename T, int N> struct Wgmma;
 // register arrays), instantiated for float16 ("f16") and bfloat16 ("bf16").
 #define FLASHSIM_WGMMA_64(CTY, TY)                                                                                       \
 template <> struct Wgmma<CTY, 64> {                                                                                      \
-    /* D (64 × 64) (+)= A B, A and B from shared memory (descriptors), both K-major */                                   \
+    /* D (64 × 64) (+)= A B, A and B from shared memory (descriptors), K-major, or                                       \
+       MN-major where TA (TB) is 1: the instruction transposes them (the backward's dQ =                                 \
+       dS K_j reads dSᵀ and K_j so) */                                                                                   \
+    template <int TA = 0, int TB = 0>                                                                                    \
     static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {    \
         asm volatile(                                                                                                    \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
             "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
             "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
-            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"            \
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"        \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
-            : "l"(a), "l"(b), "r"(accumulate));                                                                          \
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));                                                        \
     }                                                                                                                    \
     /* D (64 × 64) += A B, A from registers (the m16n8k16 A layout per warp), B from                                     \
        shared memory MN-major (trans-b = 1) */                                                                           \
@@ -134,20 +137,6 @@ template <> struct Wgmma<CTY, 64> {                                             
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                                       \
-    }                                                                                                                    \
-    /* D (64 × 64) (+)= A B, A and B from shared memory, both MN-major (trans-a = trans-b                                \
-       = 1): the backward's dQ_i = dS K_j, A from dSᵀ (keys × queries), B from K_j */                                    \
-    static __device__ __forceinline__ void ss_mn(float* d, unsigned long long a, unsigned long long b, int accumulate) { \
-        asm volatile(                                                                                                    \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
-            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
-            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 1, 1;\n}\n"            \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
-            : "l"(a), "l"(b), "r"(accumulate));                                                                          \
     }                                                                                                                    \
 };
 FLASHSIM_WGMMA_64(__half, "f16")
@@ -462,21 +451,11 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 namespace wgb {
 constexpr int Bc = 128, THREADS = 256;
 template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
-
-__device__ __forceinline__ void add2(float* x, float a, float b) {
-    atomicAdd(reinterpret_cast<float2*>(x), make_float2(a, b));
-}
 }  // namespace wgb
 
 template <typename T, int D, bool DET, bool VAR, bool VL>
 __device__ __forceinline__ void
-bwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
-       const long long* __restrict__ at, const T* __restrict__ dO,
-       const float* __restrict__ L, const float* __restrict__ Dv,
-       float* __restrict__ dQacc, T* __restrict__ dK, T* __restrict__ dV,
-       int Nq, int Nk, int ldq, int ldk, int ldv, int lddo, int lddk, int lddv, int left, int right, float scale, float k_in, float k_out,
-       const float* __restrict__ slopes, int* __restrict__ sem, const int* __restrict__ vl,
-       unsigned long long* io) {
+bwd_wg(FLASHSIM_BWD_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -657,7 +636,7 @@ bwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk)
-                Wgmma<T, 64>::ss_mn(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
+                Wgmma<T, 64>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
                                     desc(sK + nblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
             wgmma_commit();
             wgmma_wait<0>();                         // and dV_j's, dK_j's products
@@ -670,24 +649,15 @@ bwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
                 asm volatile("" : "+r"(dsf[kk][0]), "+r"(dsf[kk][1]), "+r"(dsf[kk][2]), "+r"(dsf[kk][3]));
             }
             const long long q_row = (long long)p * Nq + sq.q0 + i0;
-            int* turn = sem + ((long long)opaque_ctaid_y() * ((Nq + BrB - 1) / BrB) + i);
-            if constexpr (DET && VL) {   // the turns of the sequence's Q tiles, per problem
-                const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
-                turn = sem + ((long long)p * st.tiles + st.t0 + i);
-            }
-            int mine = 0;                                     // visiting tiles after j
-            if constexpr (DET) {
-                int jlo, jhi;
-                band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
-                mine = jhi - j;
-                wait_turn(turn, mine);
-            }
+            int mine = 0;
+            int* turn = dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
+            if constexpr (DET) wait_turn(turn, mine);
             const int r0 = qblk * 64 + (warp & 3) * 16 + g, r1 = r0 + 8;
 #pragma unroll
             for (int t = 0; t < 8; ++t) {
                 const int c = nblk * 64 + t * 8 + tig * 2;
-                if (r0 < rows) wgb::add2(dQacc + (q_row + r0) * D + c, scale * dq[4 * t], scale * dq[4 * t + 1]);
-                if (r1 < rows) wgb::add2(dQacc + (q_row + r1) * D + c, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+                if (r0 < rows) add2(dQacc + (q_row + r0) * D + c, scale * dq[4 * t], scale * dq[4 * t + 1]);
+                if (r1 < rows) add2(dQacc + (q_row + r1) * D + c, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
             }
             if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
         }
@@ -717,7 +687,6 @@ bwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V
     __trap();
 #endif
 }
-
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
 template <typename T, int D, bool VAR, bool VL>

@@ -116,6 +116,40 @@ __device__ __forceinline__ Seq seq_again(const int* vl, bool reversed, int Nq, i
     return seq_at<VL>(vl, reversed ? opaque_nctaid_x() - 1 - x : x, Nq, Nk, Br);
 }
 
+// dQacc[x], dQacc[x + 1] += (a, b) (the fast backwards' dQ): one vector reduction on
+// sm_90, two before it
+__device__ __forceinline__ void add2(float* x, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(x), make_float2(a, b));
+#else
+    atomicAdd(x, a);
+    atomicAdd(x + 1, b);
+#endif
+}
+
+// The deterministic backward's turn counter for Q step i (of BrB rows, `rows` of them
+// real) of query problem p, and in *mine the turn of K/V tile j (of Bc keys) there: the
+// number of tiles after j that visit the step, which add first (common.cuh's wait_turn).
+// Dense: one counter per (problem, step); VL: per problem, the sequence's steps from its
+// first. (The problem re-read from the special register: held across the callers' loops
+// it cost a spill.)
+template <bool DET, bool VL>
+__device__ __forceinline__ int* dq_turn(int* sem, const int* vl, int p, int Nq, int Nk, int BrB,
+                                        int Bc, int i, int j, int rows, int nk,
+                                        const Band& band, int* mine) {
+    int* turn = sem + ((long long)opaque_ctaid_y() * ((Nq + BrB - 1) / BrB) + i);
+    if constexpr (DET && VL) {
+        const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
+        turn = sem + ((long long)p * st.tiles + st.t0 + i);
+    }
+    if constexpr (DET) {
+        int jlo, jhi;
+        band.kv_range(i * BrB, i * BrB + rows, nk, Bc, &jlo, &jhi);
+        *mine = jhi - j;
+    }
+    return turn;
+}
+
 // (lo, hi) rounded to T and packed into one register, lo in the low half: the layout of
 // an MMA operand pair
 template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);
