@@ -31,6 +31,7 @@ SOURCES = {
     "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
                      "flash2_bwd_tc_det"),
     "flash2_wg.cu": ("flash2_fwd_wg", "flash2_bwd_wg", "flash2_bwd_wg_det"),
+    "flash2_ws.cu": ("flash2_fwd_ws",),
     "flash1_ref.cu": ("flash1_fwd", "flash1_bwd"),
     "standard_ref.cu": ("standard_fwd_scores", "standard_fwd_softmax", "standard_fwd_out",
                         "standard_bwd_dv", "standard_bwd_dp", "standard_bwd_ds",
@@ -41,7 +42,7 @@ SOURCES = {
 }
 # Sources built for one architecture only, by its arch-specific target: the Hopper rung
 # uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
-ARCH_SPECIFIC = {"flash2_wg.cu": "sm_90a"}
+ARCH_SPECIFIC = {"flash2_wg.cu": "sm_90a", "flash2_ws.cu": "sm_90a"}
 
 # The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
 TC_DTYPES = ("float16", "bfloat16")
@@ -86,6 +87,14 @@ WG_BLOCKS = {64: (128, 64), 128: (128, 128)}
 WG_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
+# Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
+# address (flashsim/gpu/_tma.py): WG_BLOCKS' tiles, a producer warpgroup beside the two
+# consumers, K/V in a ring of WS_STAGES slots, one CTA per SM.
+WS_THREADS = 384
+WS_STAGES = 2
+# d = 128 only: at d = 64 the same tiles (128 × 64, now one CTA per SM, where the
+# cp.async kernel runs two) measured 0.86–0.93× flash2_fwd_wg (NOTES v16)
+WS_HEAD_DIMS = (128,)
 
 
 def source_arch(source: str, arch: str) -> str | None:
@@ -177,6 +186,7 @@ LAUNCH_SPECS = {s.kernel: s for s in (
     LaunchSpec("flash2_fwd", "forward", "q", "natural"),
     LaunchSpec("flash2_fwd_tc", "forward", "q", "reversed"),
     LaunchSpec("flash2_fwd_wg", "forward", "q", "reversed"),
+    LaunchSpec("flash2_fwd_ws", "forward", "q", "reversed"),
     LaunchSpec("flash2_bwd_preprocess", "backward-pre", "q", "natural"),
     LaunchSpec("flash2_bwd_preprocess_tc", "backward-pre", "q", "natural"),
     LaunchSpec("flash2_bwd_main", "backward-main", "kv", "natural", ("dQacc",)),
@@ -225,6 +235,8 @@ def threads(kernel: str, d: int, cc: int) -> int:
         return tc_threads(d, cc // 10)
     if kernel in ("flash2_fwd_wg", "flash2_bwd_wg", "flash2_bwd_wg_det"):
         return WG_THREADS
+    if kernel == "flash2_fwd_ws":
+        return WS_THREADS
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         return TC_BWD_THREADS
     if kernel == "flash2_bwd_preprocess_tc":
@@ -243,7 +255,8 @@ REGISTERS = {
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255},
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
               "flash2_fwd_wg": {64: 128, 128: 252}, "flash2_bwd_wg": {64: 250, 128: 234},
-              "flash2_bwd_wg_det": {64: 250, 128: 234}, "kvcache_append": 32,
+              "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {128: 168},
+              "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
@@ -298,7 +311,10 @@ class Instance:
 # kernels with VAR (softcap and ALiBi) and VL (packed varlen batches) template arguments:
 # a plain instance, a variant one, and a varlen one that runs the variants too
 VARIANT_KERNELS = ("flash2_fwd_tc", "flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_fwd_wg",
-                   "flash2_bwd_wg", "flash2_bwd_wg_det")
+                   "flash2_bwd_wg", "flash2_bwd_wg_det", "flash2_fwd_ws")
+# kernels fed by the copy engine (TMA), whose tensor maps bound each problem's rows: a
+# plain and a softcap/ALiBi instance, no packed varlen one
+WS_KERNELS = ("flash2_fwd_ws",)
 VARIANT_FLAGS = ((False, False), (True, False), (True, True))   # (VAR, VL)
 
 
@@ -316,15 +332,21 @@ def instances(source: str | None = None) -> list[Instance]:
                 for dt in TC_DTYPES:
                     for D in SPLITKV_HEAD_DIMS:
                         out.append(_splitkv_instance(k, dt, D))
-            elif src in ("flash2_tc.cu", "flash2_wg.cu"):
+            elif src in ("flash2_tc.cu", "flash2_wg.cu", "flash2_ws.cu"):
                 for dt in TC_DTYPES:
-                    for D in TC_HEAD_DIMS:
+                    for D in (WS_HEAD_DIMS if src == "flash2_ws.cu" else TC_HEAD_DIMS):
                         T, mT = CUDA_TYPES[dt], _MANGLED_T[dt]
                         if k not in VARIANT_KERNELS:
                             out.append(Instance(src, k, dt, D, f"{k}<{T}, {D}>",
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
                         for var, vl in VARIANT_FLAGS:
+                            if k in WS_KERNELS:    # no varlen instance, and no VL argument
+                                if not vl:
+                                    out.append(Instance(
+                                        src, k, dt, D, f"{k}<{T}, {D}, {str(var).lower()}>",
+                                        f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(var)}EE", var))
+                                continue
                             out.append(Instance(
                                 src, k, dt, D,
                                 f"{k}<{T}, {D}, {str(var).lower()}, {str(vl).lower()}>",
@@ -410,6 +432,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (Br * d + 4 * Bc * d) * 2
     if kernel == "flash2_fwd_wg":   # the same, plus room to start the tiles on 1024 bytes
         return (Br * d + 4 * Bc * d) * 2 + 1024
+    if kernel == "flash2_fwd_ws":   # Q_i, and WS_STAGES slots of K_j and of V_j
+        return (Br * d + 2 * WS_STAGES * Bc * d) * 2 + 1024
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
         return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4

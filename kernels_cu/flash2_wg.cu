@@ -30,7 +30,7 @@
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
-#include "tensor_core.cuh"
+#include "wgmma.cuh"
 
 namespace wg {
 
@@ -50,12 +50,6 @@ namespace wg {
 constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS;
 template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 64 ? 64 : 128); }
 template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D == 64 ? 2 : 1); }
-
-// cp.async writes shared memory through the generic proxy, wgmma reads it through the
-// async proxy: each writing thread orders the two before the barrier that publishes it
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // rows [0, valid) of a ROWS × D tile (global: rows ld elements apart, D contiguous) into
 // the swizzled layout above, 16 bytes per thread per pass; a thread keeps its chunk
@@ -78,112 +72,6 @@ __device__ __forceinline__ void load_tile(unsigned s, const T* g, int ld, int va
     }
 }
 
-// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
-// leading- and stride-dimension byte offsets, all in 16-byte units, and the swizzle mode
-// (1 = 128 bytes). For the K-major tiles (Q_i as A, K_j as B) one instruction reads 16
-// columns of one 64-column block: 8-row groups are 1024 bytes apart (SBO) and the leading
-// offset is unused. For V_j (B, MN-major) one instruction reads 16 keys × D columns:
-// 8-key groups are 1024 bytes apart (SBO), the 64-column blocks Bc·128 bytes (LBO).
-__device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4)
-         | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16
-         | (unsigned long long)((sbo >> 4) & 0x3FFF) << 32
-         | 1ull << 62;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
-}
-// The accumulators are written by the tensor cores between the issue and the wait; the
-// compiler sees them as written at the issue. Passing them through an empty asm after
-// the wait (and before the issue) keeps every other use on the right side of the wait.
-template <int R> __device__ __forceinline__ void fence_regs(float* r) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
-}
-
-template <typename T, int N> struct Wgmma;
-// The wrappers, one macro per N (the accumulator's registers are spelled out; PTX has no
-// register arrays), instantiated for float16 ("f16") and bfloat16 ("bf16").
-#define FLASHSIM_WGMMA_64(CTY, TY)                                                                                       \
-template <> struct Wgmma<CTY, 64> {                                                                                      \
-    /* D (64 × 64) (+)= A B, A and B from shared memory (descriptors), K-major, or                                       \
-       MN-major where TA (TB) is 1: the instruction transposes them (the backward's dQ =                                 \
-       dS K_j reads dSᵀ and K_j so) */                                                                                   \
-    template <int TA = 0, int TB = 0>                                                                                    \
-    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {    \
-        asm volatile(                                                                                                    \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
-            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
-            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %35, %36;\n}\n"        \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
-            : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));                                                        \
-    }                                                                                                                    \
-    /* D (64 × 64) += A B, A from registers (the m16n8k16 A layout per warp), B from                                     \
-       shared memory MN-major (trans-b = 1) */                                                                           \
-    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                       \
-        asm volatile(                                                                                                    \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
-            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
-            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                                       \
-    }                                                                                                                    \
-};
-FLASHSIM_WGMMA_64(__half, "f16")
-FLASHSIM_WGMMA_64(__nv_bfloat16, "bf16")
-#define FLASHSIM_WGMMA_128(CTY, TY)                                                                                      \
-template <> struct Wgmma<CTY, 128> {                                                                                     \
-    /* D (64 × 128) (+)= A B, A and B from shared memory (descriptors), both K-major */                                  \
-    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {    \
-        asm volatile(                                                                                                    \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                 \
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                                 \
-            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
-            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                           \
-            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                           \
-            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"            \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),    \
-              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),    \
-              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),    \
-              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
-            : "l"(a), "l"(b), "r"(accumulate));                                                                          \
-    }                                                                                                                    \
-    /* D (64 × 128) += A B, A from registers (the m16n8k16 A layout per warp), B from                                    \
-       shared memory MN-major (trans-b = 1) */                                                                           \
-    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                       \
-        asm volatile(                                                                                                    \
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                                 \
-            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
-            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                           \
-            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                           \
-            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n" \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),    \
-              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),    \
-              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),    \
-              "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                                       \
-    }                                                                                                                    \
-};
-FLASHSIM_WGMMA_128(__half, "f16")
-FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
 
 }  // namespace wg
 

@@ -92,7 +92,7 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
         table = kernels.registers(r.kernel, r.D, cc)
         assert table >= r.registers, (r.kernel, r.dtype, r.D)
         d = r.D or 64
-        if r.kernel in ("flash2_fwd_wg",):
+        if r.kernel in ("flash2_fwd_wg", "flash2_fwd_ws"):
             Br, Bc = kernels.WG_BLOCKS[d]
         elif r.kernel in ("flash2_fwd_tc",):
             Br, Bc = kernels.tc_blocks(d, cc // 10, r.variant)

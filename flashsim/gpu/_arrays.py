@@ -273,25 +273,36 @@ def _kb_pad(shape: Shape) -> tuple:
 AT_Q, AT_K, AT_V, AT_O, AT_dO, AT_dQ, AT_dK, AT_dV, AT_NUM = range(9)
 
 
-def rows(cp, shape: Shape, cols: dict) -> tuple:
+def rows(cp, shape: Shape, cols: dict, host: bool = False) -> tuple:
     """(at, ld) for the flash2 kernels: ``cols`` maps a column (AT_Q …) to (array, side),
     side "q" for arrays over the query problems (batch_shape, or broadcast to it), "k"
     for K/V arrays (read by each query problem of their group), "p" for (problems, N, ·)
     scratch. at is the device table (problems × AT_NUM int64 element offsets of row 0;
-    cached per shapes and strides), ld the row strides in elements (np.int32 per
-    column, 0 for columns not given)."""
-    key = tuple(sorted((t, tuple(a.shape), tuple(a.strides), a.itemsize, side)
-                       for t, (a, side) in cols.items()))
-    at = _table(shape.batch_shape, _kb_pad(shape), canon_batch(shape), key,
-                cp.cuda.Device().id)
+    cached per shapes and strides; ``host``: the NumPy table instead), ld the row strides
+    in elements (np.int32 per column, 0 for columns not given)."""
+    args = table_key(shape, cols)
+    at = host_table(*args) if host else _table(*args, cp.cuda.Device().id)
     ld = [np.int32(0)] * AT_NUM
     for t, (a, _) in cols.items():
         ld[t] = np.int32(a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1])
     return at, ld
 
 
+def table_key(shape: Shape, cols: dict) -> tuple:
+    """What the row table of these arrays depends on (host_table's arguments)."""
+    key = tuple(sorted((t, tuple(a.shape), tuple(a.strides), a.itemsize, side)
+                       for t, (a, side) in cols.items()))
+    return shape.batch_shape, _kb_pad(shape), canon_batch(shape), key
+
+
 @functools.lru_cache(maxsize=256)
 def _table(batch: tuple, kb_pad: tuple, canon: tuple, cols: tuple, device: int):
+    return dev.cupy().asarray(host_table(batch, kb_pad, canon, cols).reshape(-1))
+
+
+@functools.lru_cache(maxsize=256)
+def host_table(batch: tuple, kb_pad: tuple, canon: tuple, cols: tuple) -> np.ndarray:
+    """The row table (problems × AT_NUM) on the host (read-only)."""
     P = math.prod(batch)
     tab = np.zeros((P, AT_NUM), np.int64)
     kvi = None
@@ -310,7 +321,8 @@ def _table(batch: tuple, kb_pad: tuple, canon: tuple, cols: tuple, device: int):
             tab[:, t] = off.reshape(-1)[kvi]
         else:
             tab[:, t] = off.reshape(-1)
-    return dev.cupy().asarray(tab.reshape(-1))
+    tab.setflags(write=False)
+    return tab
 
 
 @functools.lru_cache(maxsize=256)

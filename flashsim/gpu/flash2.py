@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import struct
 import warnings
 
@@ -14,7 +15,7 @@ import numpy as np
 from .. import kernels as K
 from ..problem import canon_batch, check_scale, Shape
 from ..variants import canonical_slopes, check_softcap, make_band
-from . import _arrays as arrays, _device as dev, algorithms
+from . import _arrays as arrays, _device as dev, _tma, algorithms
 from .algorithms import check_algorithm
 
 KERNELS = ("auto", "ref", "tc", "wg")
@@ -236,13 +237,21 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     O = arrays.empty(cp, shape.batch_shape + (Nq, shape.dv), arrays.storage(cp, dtype),
                      dtype if qi.torch else None, like=qi)
     L = arrays.empty(cp, (P, Nq), cp.float32, "float32" if qi.torch else None)
-    at, ld = arrays.rows(cp, shape, {arrays.AT_Q: (qi.arr, "q"), arrays.AT_K: (ki.arr, "k"),
-                                     arrays.AT_V: (vi.arr, "k"), arrays.AT_O: (O, "q")})
+    cols = {arrays.AT_Q: (qi.arr, "q"), arrays.AT_K: (ki.arr, "k"),
+            arrays.AT_V: (vi.arr, "k"), arrays.AT_O: (O, "q")}
+    at, ld = arrays.rows(cp, shape, cols)
     rows = (qi.arr, ki.arr, vi.arr, at, O, L, np.int32(Nq), np.int32(shape.Nk),
             *(ld[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O)))
     io = dev.counters(cp, count_io)
     i32 = np.int32
-    if which in ("tc", "wg"):    # one signature: (Q, K, V, at, O, L, Nq, Nk, ld…, band, scale)
+    ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld) if which == "wg" else None
+    if ws is not None:           # the Hopper forward fed by the copy engine
+        k_in, k_out, sl = _fast_variants(cp, scale, softcap, slopes)
+        ws(cp.cuda.get_current_stream().ptr, dev.pointer(qi.arr), dev.pointer(ki.arr),
+           dev.pointer(vi.arr), at.data.ptr, dev.pointer(O), dev.pointer(L),
+           tail=(Nq, shape.Nk, int(ld[arrays.AT_O]), left, right, scale * LOG2E, float(k_in),
+                 float(k_out), 0 if isinstance(sl, np.uint64) else sl.data.ptr, io.data.ptr))
+    elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, ld…, band, scale)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[shape.d]
         else:
@@ -456,6 +465,77 @@ class _Launcher:
                     stream, 0, ctypes.addressof(extra))
 
 
+class _WsForward:
+    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides: its tensor maps are
+    encoded per call from the tensors' addresses (cached per address) and passed by value.
+    It launches with cuLaunchKernel's array of parameter pointers: from one packed buffer
+    (_Launcher's CU_LAUNCH_PARAM_BUFFER_POINTER) the driver does not hand a
+    __grid_constant__ tensor map to the copy engine intact (an illegal instruction at the
+    first TMA load on an H100)."""
+
+    def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int):
+        self.fptr = kernel.kernel.ptr
+        if smem > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = smem
+        self.grid, self.smem = grid, smem
+        self.crd, self.geoms, self.Br, self.Bc = crd, geoms, Br, Bc
+        self.launch = dev.cupy().cuda.driver.launchKernel
+        c = ctypes
+        # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, left, right | scale·log2e, k_in, k_out
+        # | slopes, io: one C object per parameter, rewritten in place per call
+        self.maps = [c.create_string_buffer(128) for _ in range(3)]
+        self.ptrs = [c.c_uint64(crd.data.ptr)] + [c.c_uint64() for _ in range(3)]
+        self.ints = [c.c_int32() for _ in range(5)]
+        self.floats = [c.c_float() for _ in range(3)]
+        self.tail_ptrs = [c.c_uint64() for _ in range(2)]
+        objs = self.maps + self.ptrs + self.ints + self.floats + self.tail_ptrs
+        self.params = (c.c_void_p * len(objs))(*[c.addressof(x) for x in objs])
+
+    def set_tail(self, Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io):
+        for obj, x in zip(self.ints + self.floats + self.tail_ptrs,
+                          (Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io)):
+            obj.value = x
+
+    def __call__(self, stream: int, q: int, k: int, v: int, at: int, O: int, L: int,
+                 tail=None):
+        maps = _tma.maps((q, k, v), self.geoms, self.Br, self.Bc)
+        if maps is None:
+            raise RuntimeError("the driver refused the tensor maps of flash2_fwd_ws "
+                               f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
+                               "flash2_fwd_wg instead")
+        for buf, m in zip(self.maps, maps):
+            ctypes.memmove(buf, m, 128)
+        for obj, x in zip(self.ptrs[1:], (at, O, L)):
+            obj.value = x
+        if tail is not None:
+            self.set_tail(*tail)
+        self.launch(self.fptr, self.grid[0], self.grid[1], 1, K.WS_THREADS, 1, 1, self.smem,
+                    stream, ctypes.addressof(self.params), 0)
+
+
+def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
+    """The launcher of flash2_fwd_ws (the wg forward fed by TMA) for these arrays, or None
+    where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
+    (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
+    d = shape.d
+    if d not in K.WS_HEAD_DIMS or os.environ.get("FLASHSIM_TMA", "1") == "0":
+        return None
+    Br, Bc = K.WG_BLOCKS[d]
+    three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
+    got = _tma.plan(arrays.table_key(shape, three), tuple(int(x) for x in ld),
+                    (shape.Nq, shape.Nk, shape.Nk), d, cp.cuda.Device().id)
+    if got is None:
+        return None
+    crd, geoms = got
+    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, Br, Bc) is None:
+        return None
+    name = "flash2_fwd_ws"
+    smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
+    return _WsForward(dev.kernel(name, dtype, count_io, d, var),
+                      K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems), smem, crd,
+                      geoms, Br, Bc)
+
+
 class _Plan:
     """What the fast paths launch for one set of shapes and strides (_plan_torch_forward)."""
     __slots__ = ("cp", "fwd", "at", "shape", "lse_shape", "scale", "left", "right", "io",
@@ -475,7 +555,7 @@ def _fast_inputs(q, k, v, causal, scale) -> bool:
 
 def _plan_key(q, k, v, causal, scale, kernel):
     return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.stride(), k.stride(), v.stride(),
-            q.dtype, causal, scale, q.device.index, kernel)
+            q.dtype, causal, scale, q.device.index, kernel, os.environ.get("FLASHSIM_TMA"))
 
 
 def _torch_forward_plan(q, k, v, causal, scale, kernel="auto"):
@@ -544,11 +624,21 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         # (Q, K, V, at, O, L | Nq, Nk, ldq, ldk, ldv, ldo, left, right, scale·log2e, k_in,
         #  k_out, slopes, vl, io): the plain instance, which reads none of the variants'
         #  three nor vl
-        plan.fwd = _Launcher(dev.kernel(name, dtype, False, d), "6Q8ifff4xQQQ",
-                             K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
-                             (Nq, Nk, *(int(ld[t]) for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_O)),
-                              plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0, 0, 0,
-                              plan.io))
+        ws = None
+        if name == "flash2_fwd_wg":      # fed by the copy engine where TMA addresses them
+            ws = _ws_forward(cp, shape, dtype, False, False,
+                             {A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"),
+                              A.AT_V: (views[2], "k")}, ld)
+        if ws is not None:
+            ws.set_tail(Nq, Nk, int(ld[A.AT_O]), plan.left, plan.right,
+                        plan.scale * LOG2E, 0.0, 0.0, 0, plan.io)
+            plan.fwd = ws
+        else:
+            plan.fwd = _Launcher(dev.kernel(name, dtype, False, d), "6Q8ifff4xQQQ",
+                                 K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
+                                 (Nq, Nk, *(int(ld[t]) for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_O)),
+                                  plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0, 0, 0,
+                                  plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
         plan.bwd = {}                                   # per (out, dout) strides: made by

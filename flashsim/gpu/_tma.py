@@ -1,0 +1,107 @@
+"""Tensor maps for the Hopper forward fed by the copy engine (kernels_cu/flash2_ws.cu).
+
+A TMA load copies a box of a tensor that a tensor map (CUtensorMap, 128 bytes) describes:
+its address, up to five dimensions with their byte strides, the box and the swizzle the
+copy writes into shared memory. The kernels read each of Q, K, V through a row table
+(element offset of row 0 per problem, rows ``ld`` elements apart); here that table
+becomes a 3-D map per tensor, (columns, rows, problems) = (ld, N, Z), and per problem a
+column and a problem coordinate of its row 0:
+
+    at[p] = z_p · zs + c_p,   0 ≤ c_p ≤ ld − d,
+
+with zs the greatest common divisor of the offsets' row parts. Rows past N of a problem
+lie outside the map, so the copy engine zero-fills a ragged last tile as the accounting
+rules assume. Layouts that do not decompose so (or whose strides TMA cannot take: a
+multiple of 16 bytes) return None, and the launcher runs flash2_wg.cu's forward, which
+copies with cp.async. The maps are encoded on the host by the driver's
+cuTensorMapEncodeTiled, through ctypes (CuPy does not wrap it)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from . import _arrays as arrays, _device as dev
+
+# CUtensorMapDataType: 16-bit elements copied as bits (float16 and bfloat16 alike; the
+# zero fill is +0.0 in both); CU_TENSOR_MAP_SWIZZLE_128B; CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+_UINT16, _SWIZZLE_128B, _L2_128B = 1, 3, 2
+BOX_COLS = 64          # columns per box: 128 bytes, the widest the 128-byte swizzle takes
+
+
+@functools.lru_cache(maxsize=None)
+def _encode():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                  u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def layout(tab: np.ndarray, ld, N: dict, d: int):
+    """(crd, geoms) for the Q, K, V columns of the host row table ``tab`` (problems ×
+    AT_NUM) with row strides ``ld`` and row counts ``N`` (per column): crd the int32
+    (problems, 6) table (c, z of Q, K, V), geoms per column (ld, N, Z, zs) in elements;
+    or None where a tensor does not decompose as above."""
+    crd = np.zeros((tab.shape[0], 6), np.int32)
+    geoms = []
+    for n, t in enumerate((arrays.AT_Q, arrays.AT_K, arrays.AT_V)):
+        off, l = tab[:, t], int(ld[t])
+        if l % 8:                               # row stride: a multiple of 16 bytes
+            return None
+        c = off % l
+        if (c > l - d).any():
+            return None
+        row = off - c
+        zs = int(np.gcd.reduce(row)) or N[t] * l
+        if zs % 8 or zs * 2 >= 1 << 40:
+            return None
+        z = row // zs
+        if z.max() >= 1 << 31:
+            return None
+        crd[:, 2 * n], crd[:, 2 * n + 1] = c, z
+        geoms.append((l, N[t], int(z.max()) + 1, zs))
+    return crd, tuple(geoms)
+
+
+@functools.lru_cache(maxsize=256)
+def plan(table_key: tuple, ld: tuple, N: tuple, d: int, device: int):
+    """(crd on the device, geoms) for the row table of ``table_key`` (_arrays.table_key),
+    cached; None where `layout` finds no tensor maps for it."""
+    got = layout(arrays.host_table(*table_key), ld, dict(enumerate(N)), d)
+    if got is None:
+        return None
+    crd, geoms = got
+    return dev.cupy().asarray(crd.reshape(-1)), geoms
+
+
+@functools.lru_cache(maxsize=1024)
+def tensor_map(ptr: int, geom: tuple, box_rows: int) -> bytes | None:
+    """The 128-byte CUtensorMap of a tensor at ``ptr`` (16-byte aligned) with this
+    geometry (ld, N, Z, zs), boxes of BOX_COLS columns × box_rows rows, 128-byte swizzle;
+    None where the driver refuses it."""
+    ld, N, Z, zs = geom
+    if ptr % 16:
+        return None
+    raw = ctypes.create_string_buffer(128 + 64)          # CUtensorMap is 64-byte aligned
+    addr = (ctypes.addressof(raw) + 63) & ~63
+    dims = (ctypes.c_uint64 * 3)(ld, N, Z)
+    strides = (ctypes.c_uint64 * 2)(ld * 2, zs * 2)       # bytes, of dims 1 and 2
+    box = (ctypes.c_uint32 * 3)(BOX_COLS, box_rows, 1)
+    step = (ctypes.c_uint32 * 3)(1, 1, 1)
+    rc = _encode()(addr, _UINT16, 3, ptr, dims, strides, box, step, 0, _SWIZZLE_128B,
+                   _L2_128B, 0)
+    if rc != 0:
+        return None
+    return ctypes.string_at(addr, 128)
+
+
+def maps(ptrs, geoms, Br: int, Bc: int):
+    """The tensor maps of Q (boxes of Br rows), K and V (Bc rows), or None."""
+    out = tuple(tensor_map(int(x), g, r) for x, g, r in zip(ptrs, geoms, (Br, Bc, Bc)))
+    return None if None in out else out
+

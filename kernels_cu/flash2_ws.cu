@@ -1,0 +1,339 @@
+// flash2_ws.cu: the Hopper forward fed by the copy engine, with specialised warps.
+//
+//   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D = 128 shipped (d = dv = D;
+//                        D = 64 builds, for tuning: at flash2_fwd_wg's 128 × 64 tiles it
+//                        ran slower than that kernel, NOTES v16):
+//                        the tiles, schedule, visited tiles and so the traffic of
+//                        flash2_fwd_wg (Br = 128; Bc = 128 at D = 128, 64 at D = 64), its
+//                        two consumer warpgroups of 64 query rows and their loop (S_j and
+//                        P_{j−1} V_{j−1} issued together, the softmax of tile j beside the
+//                        second product). Over flash2_fwd_wg it changes who moves the data:
+//                        - a producer warpgroup, of which one thread issues the loads: TMA
+//                          (cp.async.bulk.tensor) copies of Q_i and of K_j, V_j into a ring
+//                          of STAGES slots. The copy engine writes the tiles in the 128-byte
+//                          swizzle the tensor cores read (the tensor map's swizzle mode,
+//                          flash2_wg.cu's layout), zero-fills rows past N, and completes a
+//                          slot's "full" mbarrier by its byte count; the consumers free a slot
+//                          by arriving on its "empty" mbarrier once their products have read
+//                          it. No CTA barrier in the loop, and no consumer instruction spent
+//                          on addresses or copies;
+//                        - setmaxnreg: the producer drops to PRODUCER_REGS registers per
+//                          thread, the consumers take them (CONSUMER_REGS);
+//                        - ping-pong (FLASHSIM_WS_PINGPONG, on by default): two named
+//                          barriers make the warpgroups take turns issuing their products,
+//                          so that one's softmax runs while the other's products hold the
+//                          tensor cores.
+//                        VAR = true is the softcap/ALiBi instance; windows run on both.
+//                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
+//                        (columns ld, rows N, problems): rows past N of a problem are
+//                        outside the tensor, so a ragged last tile arrives zero-filled. A
+//                        packed varlen batch has no such bound per sequence and runs on
+//                        flash2_fwd_wg.
+// Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
+// Counts its traffic like the reference under -DFLASHSIM_COUNT_IO (the accounting rules'
+// rows, whatever the copy engine zero-fills).
+
+#include "wgmma.cuh"
+
+namespace ws {
+
+using namespace wg;
+
+#ifndef FLASHSIM_WS_PINGPONG
+#define FLASHSIM_WS_PINGPONG 1
+#endif
+#ifndef FLASHSIM_WS_SETMAXNREG
+#define FLASHSIM_WS_SETMAXNREG 1
+#endif
+#ifndef FLASHSIM_WS_STAGES
+#define FLASHSIM_WS_STAGES 2
+#endif
+constexpr int CONSUMERS = 2, THREADS = 128 * (1 + CONSUMERS), Br = 64 * CONSUMERS;
+constexpr int STAGES = FLASHSIM_WS_STAGES;
+#ifndef FLASHSIM_WS_BC64
+#define FLASHSIM_WS_BC64 64
+#endif
+#ifndef FLASHSIM_WS_MINB64
+#define FLASHSIM_WS_MINB64 1
+#endif
+// flashsim/kernels.py's WG_BLOCKS, as flash2_fwd_wg's (the macros: for tuning)
+template <int D> __host__ __device__ constexpr int bc() { return D == 64 ? FLASHSIM_WS_BC64 : 128; }
+// one CTA per SM: two at D = 64 would leave the consumers 104 registers, and they spill
+template <int D> __host__ __device__ constexpr int min_blocks() { return D == 64 ? FLASHSIM_WS_MINB64 : 1; }
+// the registers the launch bounds give each thread (65536 per SM over THREADS·min_blocks,
+// in multiples of 8), and their split: the producer keeps 24, the consumers take the rest
+template <int D> __host__ __device__ constexpr int launch_regs() { return (65536 / (THREADS * min_blocks<D>())) & ~7; }
+constexpr int PRODUCER_REGS = 24;
+template <int D> __host__ __device__ constexpr int consumer_regs() {
+    return ((launch_regs<D>() * (1 + CONSUMERS) - PRODUCER_REGS) / CONSUMERS) & ~7;
+}
+
+}  // namespace ws
+
+template <typename T, int D, bool VAR>
+__global__ void __launch_bounds__(ws::THREADS, ws::min_blocks<D>())
+flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,
+              const __grid_constant__ wg::TensorMap tmV, const int* __restrict__ crd,
+              const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
+              int Nq, int Nk, int ldo, int left, int right, float scale_log2, float k_in, float k_out,
+              const float* __restrict__ slopes, unsigned long long* io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace ws;
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    constexpr int Bc = bc<D>();
+    constexpr unsigned TILE_Q = Br * D * 2, TILE_KV = Bc * D * 2;   // bytes of one tile
+    extern __shared__ unsigned char smem_raw[];
+    // the swizzle is a function of the address bits, so tiles start on 1024 bytes
+    const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const unsigned sQ = base;                        // Br·D
+    const unsigned sK = sQ + TILE_Q;                 // STAGES slots of Bc·D
+    const unsigned sV = sK + STAGES * TILE_KV;       // STAGES slots of Bc·D
+    // mbarriers: Q_i full; per slot K full, K empty, V full, V empty
+    __shared__ __align__(8) unsigned long long bars[1 + 4 * STAGES];
+    const unsigned bQ = smem_addr(bars);
+    auto fullK = [&](int s) { return bQ + 8 * (1 + s); };
+    auto emptyK = [&](int s) { return bQ + 8 * (1 + STAGES + s); };
+    auto fullV = [&](int s) { return bQ + 8 * (1 + 2 * STAGES + s); };
+    auto emptyV = [&](int s) { return bQ + 8 * (1 + 3 * STAGES + s); };
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp >> 2;
+    const int g = lane >> 2, tig = lane & 3;
+    // the last Q tiles first: under a causal mask they see the most keys
+    const int p = blockIdx.y;
+    const int i = gridDim.x - 1 - blockIdx.x, nq = Nq, nk = Nk;
+    const int i0 = i * Br, rows = min(Br, nq - i0);
+    const long long q_row = (long long)p * Nq + i0;  // of L
+    const Band band{left, right, nk - nq};
+    int jlo, jhi;
+    band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
+
+    if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
+        fwd_tile_unseen<T, D, THREADS>(O + at_row0(at, p, AT_O) + i0 * (long long)ldo, ldo,
+                                       L + q_row, rows, io);
+        return;
+    }
+    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
+    if (threadIdx.x == 0) {
+        mbar_init(bQ, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(fullK(s), 1);                  // the producer's arrival, and the bytes
+            mbar_init(fullV(s), 1);
+            mbar_init(emptyK(s), 4 * CONSUMERS);     // one arrival per consumer warp
+            mbar_init(emptyV(s), 4 * CONSUMERS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (grp == 0) {
+        // -- the producer: one thread walks the tiles the consumers will visit --------
+        if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            // crd: per problem, the column and problem coordinates of row 0 of Q, K, V
+            const int cq = crd[6 * p], zq = crd[6 * p + 1], ck = crd[6 * p + 2], zk = crd[6 * p + 3],
+                      cv = crd[6 * p + 4], zv = crd[6 * p + 5];
+            mbar_expect_tx(bQ, TILE_Q);              // HBM→SRAM: Q_i (Br·d)
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(sQ + cb * Br * 128, &tmQ, cq + cb * 64, i0, zq, bQ);
+            for (int n = 0; n <= jhi - jlo; ++n) {
+                const int s = n % STAGES;
+                const unsigned ph = (n / STAGES) & 1;
+                const int j0 = (jlo + n) * Bc;
+                mbar_wait(emptyK(s), ph ^ 1);        // the slot's last K has been read
+                mbar_expect_tx(fullK(s), TILE_KV);   // HBM→SRAM: K_j (Bc·d)
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb)
+                    tma_load_3d(sK + s * TILE_KV + cb * Bc * 128, &tmK, ck + cb * 64, j0, zk, fullK(s));
+                mbar_wait(emptyV(s), ph ^ 1);
+                mbar_expect_tx(fullV(s), TILE_KV);   // HBM→SRAM: V_j (Bc·d)
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb)
+                    tma_load_3d(sV + s * TILE_KV + cb * Bc * 128, &tmV, cv + cb * 64, j0, zv, fullV(s));
+            }
+        }
+        return;
+    }
+
+    // -- the consumers: warpgroup cw owns query rows 64·cw … 64·cw + 63 of the tile ----
+    if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_inc<consumer_regs<D>()>();
+    const int cw = grp - 1;
+    const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
+    float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
+    float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
+    unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
+    float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max (log2 domain), rows g, g + 8
+    float l0 = 0.f, l1 = 0.f;                        // partial row sums of this thread
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
+    const int r0 = cw * 64 + (warp & 3) * 16 + g;    // this thread's rows r0, r0 + 8 in the tile
+
+    // ping-pong: warpgroup cw waits at barrier 1 + cw before issuing its products and, once
+    // they are issued, lets the other one go (barrier 1 + (cw ^ 1)); each barrier counts the
+    // waiting warpgroup's 128 threads and the other's 128 arrivals
+    auto turn_wait = [&]() { if (FLASHSIM_WS_PINGPONG) named_sync(1 + cw, 256); };
+    auto turn_pass = [&]() { if (FLASHSIM_WS_PINGPONG) named_arrive(1 + (cw ^ 1), 256); };
+    // a warp's share of freeing a slot, once its products have read it
+    auto release = [&](unsigned bar) { if (lane == 0) mbar_arrive(bar); };
+
+    // S = Q_i K_jᵀ from K slot kb: D/16 instructions of 64 × Bc × 16, one group
+    auto issue_s = [&](unsigned kb) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned step = (kk & 3) << 5;     // 16 columns = 32 bytes into the block
+            const unsigned long long da = desc(sQ + (kk >> 2) * (Br * 128) + cw * 64 * 128 + step, 16, 1024);
+            const unsigned long long db = desc(kb + (kk >> 2) * (Bc * 128) + step, 16, 1024);
+            Wgmma<T, Bc>::ss(s, da, db, kk > 0);
+        }
+        wgmma_commit();
+    };
+    // O_i += P V_j from V slot vb: Bc/16 instructions of 64 × D × 16, one group
+    auto issue_pv = [&](unsigned vb) {
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk)
+            Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+        wgmma_commit();
+    };
+    // the online softmax of tile j on S (flash2_fwd_wg's): masks, updates m and ℓ, leaves
+    // P = 2^(S·scale·log2e − m) in s (fp32) and returns the factors (α) for O's rows
+    auto softmax = [&](int j, float& a0, float& a1) {
+        const int j0 = j * Bc;
+        if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
+            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[p] : 0.f};
+            const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float th;
+                    s[4 * t + e] = vs(s[4 * t + e], dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
+                }
+        }
+        const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
+                             || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+        if (partial) {
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = j0 + t * 8 + tig * 2 + (e & 1);
+                    const int r = i0 + r0 + (e < 2 ? 0 : 8);
+                    if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
+                }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
+            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
+        }
+        quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
+        const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
+        const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
+        a0 = ex2(m0 - ms0);
+        a1 = ex2(m1 - ms1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            s[4 * t] = ex2(fmaf(s[4 * t], sl2, -ms0));
+            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
+            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], sl2, -ms1));
+            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
+            l0 += s[4 * t] + s[4 * t + 1];
+            l1 += s[4 * t + 2] + s[4 * t + 3];
+        }
+    };
+    // P to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A fragment
+    // of k-step k (rows g and g + 8)
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
+            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
+        }
+    };
+
+    // Step n (tile j = jlo + n, slot n % STAGES, that slot's fill n / STAGES, whose parity
+    // the waits name): S_j and P_{j−1} V_{j−1} issued together; K's slot freed once S_j is
+    // done, V's once the second product is
+    if (FLASHSIM_WS_PINGPONG && cw == 1) named_arrive(1, 256);   // warpgroup 0 goes first
+    mbar_wait(bQ, 0);
+    mbar_wait(fullK(0), 0);
+    turn_wait();
+    wgmma_fence();
+    issue_s(sK);
+    turn_pass();
+    wgmma_wait<0>();
+    fence_regs<Bc / 2>(s);
+    release(emptyK(0));
+    {
+        float a0, a1;                                // O_i is still 0: nothing to scale
+        softmax(jlo, a0, a1);
+    }
+    pack_p();
+
+    for (int j = jlo + 1; j <= jhi; ++j) {
+        const int n = j - jlo, sn = n % STAGES, sp = (n - 1) % STAGES;
+        mbar_wait(fullK(sn), (n / STAGES) & 1);
+        mbar_wait(fullV(sp), ((n - 1) / STAGES) & 1);
+        fence_regs<Bc / 2>(s);
+        fence_regs<D / 2>(o);
+        turn_wait();
+        wgmma_fence();
+        issue_s(sK + sn * TILE_KV);
+        issue_pv(sV + sp * TILE_KV);
+        turn_pass();
+        wgmma_wait<1>();                             // S_j is done, P_{j−1} V_{j−1} may run on
+        fence_regs<Bc / 2>(s);
+        release(emptyK(sn));
+        float a0, a1;
+        softmax(j, a0, a1);
+        wgmma_wait<0>();
+        fence_regs<D / 2>(o);
+        release(emptyV(sp));
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk)         // the product has read P_{j−1}: only now
+            asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+            o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+        }
+        pack_p();
+    }
+    {
+        const int n = jhi - jlo;
+        mbar_wait(fullV(n % STAGES), (n / STAGES) & 1);
+        fence_regs<D / 2>(o);
+        turn_wait();
+        wgmma_fence();
+        issue_pv(sV + (n % STAGES) * TILE_KV);
+        if (cw == 0) turn_pass();                    // the last turn: warpgroup 1 waits for none
+        wgmma_wait<0>();
+        fence_regs<D / 2>(o);
+    }
+
+    // finish: reduce ℓ over the quad, divide once, write O_i and L_i
+    T* Oi = O + at_row0(at, p, AT_O) + i0 * (long long)ldo;
+    quad_sum(l0, l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int c = t * 8 + tig * 2;
+        if (r0 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
+        if (r1 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
+    }
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
+#else
+    // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
+    __trap();
+#endif
+}
