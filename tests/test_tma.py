@@ -1,0 +1,74 @@
+"""The Hopper forward's tensor maps (flashsim/gpu/_tma.py): every layout the row table
+describes is either decomposed exactly (at[p] = z_p·zs + c_p, the columns inside a row)
+or refused, so flash2_fwd_ws never reads a row the table does not name."""
+
+import numpy as np
+import pytest
+
+from flashsim.gpu import _arrays as A, _tma
+from flashsim.problem import Shape
+
+
+class Strided:
+    """What the row table reads of an array: shape, strides (bytes), itemsize."""
+
+    def __init__(self, shape, strides, item=2):
+        self.shape, self.strides, self.itemsize = shape, tuple(x * item for x in strides), item
+
+
+def table(q, k, shape):
+    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (k, "k")}
+    tab = A.host_table(*A.table_key(shape, cols))
+    ld = [0] * A.AT_NUM
+    for t, (a, _) in cols.items():
+        ld[t] = a.strides[-2] // a.itemsize
+    return tab, ld
+
+
+def check_exact(tab, ld, got, d):
+    crd, geoms = got
+    for n, t in enumerate((A.AT_Q, A.AT_K, A.AT_V)):
+        l, N, Z, zs = geoms[n]
+        c, z = crd[:, 2 * n].astype(np.int64), crd[:, 2 * n + 1].astype(np.int64)
+        assert l == ld[t] and (z * zs + c == tab[:, t]).all()
+        assert (c >= 0).all() and (c + d <= l).all() and (z < Z).all()
+        assert l % 8 == 0 and zs % 8 == 0          # TMA strides: multiples of 16 bytes
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "fused", "sliced"])
+@pytest.mark.parametrize("B,H,Hk", [(1, 1, 1), (2, 4, 2), (3, 6, 1)])
+def test_row_tables_decompose_into_tensor_map_coordinates(layout, B, H, Hk):
+    N, d = 100, 128
+    if layout == "bhnd":
+        q = Strided((B, H, N, d), (H * N * d, N * d, d, 1))
+        k = Strided((B, Hk, N, d), (Hk * N * d, N * d, d, 1))
+    elif layout == "bnhd":                         # (B, N, H, d) seen as (B, H, N, d)
+        q = Strided((B, H, N, d), (N * H * d, d, H * d, 1))
+        k = Strided((B, Hk, N, d), (N * Hk * d, d, Hk * d, 1))
+    elif layout == "fused":                        # slices of one (B, N, 3, H, d) tensor
+        q = Strided((B, H, N, d), (N * 3 * H * d, d, 3 * H * d, 1))
+        k = Strided((B, H, N, d), (N * 3 * H * d, d, 3 * H * d, 1))
+        Hk = H
+    else:                                          # the first N rows of longer sequences
+        q = Strided((B, H, N, d), (H * 4 * N * d, 4 * N * d, d, 1))
+        k = Strided((B, Hk, N, d), (Hk * 3 * N * d, 3 * N * d, d, 1))
+    shape = Shape(N, N, d, d, (B, H), (B, H), (B, Hk), H // Hk)
+    tab, ld = table(q, k, shape)
+    got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d)
+    assert got is not None
+    check_exact(tab, ld, got, d)
+    assert [g[1] for g in got[1]] == [N, N, N]     # rows past N: outside the map
+
+
+def test_layouts_tma_cannot_address_are_refused():
+    N, d = 64, 128
+    shape = Shape(N, N, d, d, (1, 2), (1, 2), (1, 2), 1)
+    # rows 1028 elements apart: not a multiple of 16 bytes
+    q = Strided((1, 2, N, d), (2 * N * 1028, N * 1028, 1028, 1))
+    k = Strided((1, 2, N, d), (2 * N * d, N * d, d, 1))
+    tab, ld = table(q, k, shape)
+    assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d) is None
+    # heads 72 elements apart inside rows of 144: a head's d columns cross the row's end
+    q = Strided((1, 2, N, d), (N * 144, 72, 144, 1))
+    tab, ld = table(q, k, shape)
+    assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d) is None
