@@ -556,6 +556,46 @@ def test_auto_runs_the_hopper_kernels_on_hopper(torch_in):
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("torch_in", [False, True])
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(100, 30)),
+                                dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125])])
+def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in, kw):
+    """flash2_fwd_ws (TMA, d = 128) runs where "auto" meets dense inputs on a 9.0 device,
+    and gives flash2_fwd_wg's O and L bit for bit (same tiles, same arithmetic), and the
+    same counted bytes; FLASHSIM_TMA=0 runs flash2_fwd_wg. Ragged, Nq ≠ Nk, GQA, and a
+    (B, N, H, d) layout read through its strides."""
+    if torch_in and not HAVE_TORCH:
+        pytest.skip("PyTorch with CUDA not installed")
+    from flashsim.gpu import flash2
+    calls = []
+    real = flash2._WsForward.__call__
+    monkeypatch.setattr(flash2._WsForward, "__call__",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    rng = np.random.default_rng(17)
+    q = rng.standard_normal((2, 333, 3, 128)).astype(np.float16).transpose(0, 2, 1, 3)
+    k, v = (rng.standard_normal((2, 3, 517, 128)).astype(np.float16) for _ in range(2))
+    q[..., :2, :] *= 8                                   # outliers
+    if torch_in:
+        q, k, v = (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in (q, k, v))
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)   # (B, N, H, d) memory
+    else:
+        import cupy as cp
+        q, k, v = (cp.asarray(x) for x in (q, k, v))
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    ws = fs.gpu.attention(q, k, v, **kw)
+    ws_io = fs.gpu.attention(q, k, v, count_io=True, **kw)
+    assert len(calls) == 2
+    monkeypatch.setenv("FLASHSIM_TMA", "0")
+    wg = fs.gpu.attention(q, k, v, **kw)
+    wg_io = fs.gpu.attention(q, k, v, count_io=True, **kw)
+    assert len(calls) == 2
+    for a, b in zip(ws + ws_io[:2], wg + wg_io[:2]):
+        assert np.array_equal(host(a), host(b))
+    assert np.isfinite(host(ws[0])).all()
+    assert ws_io[2] == wg_io[2]
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 def test_the_sm90a_build_is_cached_on_disk(monkeypatch, tmp_path):
     """NVRTC's sm_90a cubin is kept under CUPY_CACHE_DIR and read back by a new process
     (here: a cleared in-memory cache, and a compiler that must not be called)."""
