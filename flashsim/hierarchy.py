@@ -266,15 +266,15 @@ def choose_kernel(launch: str, shape: Shape, dtype: str, hw: GPU, block_sizes=No
                                                   backward):
         return "wg"
     if launch == "wg":
-        raise ValueError(f"the Hopper kernel runs float16/bfloat16, d = dv in "
-                         f"{K.WG_HEAD_DIMS}, tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on compute capability 9.0 "
+        raise ValueError(f"the Hopper kernel runs float16/bfloat16, d and dv multiples of "
+                         f"8 up to {max(K.WG_HEAD_DIMS)}, tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on compute capability 9.0 "
                          f"({hw.name} is {cc / 10:.1f}); got {dtype}, d={d}, dv={dv}, "
                          f"block_sizes={block_sizes}")
     if launch in ("auto", "tc") and K.tc_supports(d, dv, dtype, cc, limit, block_sizes, backward):
         return "tc"
     if launch == "tc":
-        raise ValueError(f"the tensor-core kernel runs float16/bfloat16, d = dv in "
-                         f"{K.TC_HEAD_DIMS}, its own tiles, on compute capability 8.0 or "
+        raise ValueError(f"the tensor-core kernel runs float16/bfloat16, d and dv "
+                         f"multiples of 8 up to {max(K.TC_HEAD_DIMS)}, its own tiles, on compute capability 8.0 or "
                          f"later; got {dtype}, d={d}, dv={dv}, block_sizes={block_sizes} "
                          f"on {hw.name}")
     return "ref"
@@ -285,10 +285,13 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
     """(Br, Bc) the rung runs with: its fixed tiles, or for "ref" ``block_sizes`` (default:
     the largest square tile whose CTA fits the device's shared memory)."""
     cc = hw.compute_capability
+    D = K.head_dim_instance(shape.d, shape.dv)     # the fast rungs' instance
     if rung == "wg":
-        return K.wg_blocks(shape.d, backward)
+        return K.wg_blocks(D, backward)
     if rung == "tc":
-        return K.tc_bwd_blocks(shape.d, cc // 10) if backward else K.tc_blocks(shape.d, cc // 10)
+        if backward:
+            return K.tc_bwd_blocks(D, cc // 10)
+        return K.tc_blocks(D, cc // 10, K.padded(shape.d, shape.dv))
     if block_sizes is not None:
         Br, Bc = (int(x) for x in block_sizes)
         kernel = "flash2_bwd_main" if backward else "flash2_fwd"
@@ -304,9 +307,10 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
 def _make_launch(kernel: str, shape: Shape, dtype: str, hw: GPU, Br: int, Bc: int) -> Launch:
     spec = K.LAUNCH_SPECS[kernel]
     cc = hw.compute_capability
-    D = shape.d if kernel.endswith(("_tc", "_wg", "_tc_det", "_wg_det")) else None
-    smem = K.smem_bytes(kernel, Br, Bc, shape.d, shape.dv, dtype)
-    threads = K.threads(kernel, shape.d, cc)
+    fast = kernel.endswith(("_tc", "_wg", "_tc_det", "_wg_det"))
+    D = K.head_dim_instance(shape.d, shape.dv) if fast else None   # the instance's head dim
+    smem = K.smem_bytes(kernel, Br, Bc, D or shape.d, D or shape.dv, dtype)
+    threads = K.threads(kernel, D or shape.d, cc)
     regs = K.registers(kernel, D, cc)
     occ = K.ctas_per_sm(threads=threads, registers=regs, smem=smem,
                         regs_per_sm=hw.regs_per_sm, max_threads_per_sm=hw.max_threads_per_sm,
@@ -741,8 +745,14 @@ def step_flops(launch: Launch, shape: Shape) -> int:
     return 0
 
 
-def efficiency(kernel: str, d: int) -> float:
-    """η of a kernel (see `EFFICIENCY`); the reference kernels' does not depend on d."""
+def efficiency(kernel: str, d: int, dv: int | None = None) -> float:
+    """η of a kernel (see `EFFICIENCY`); the reference kernels' does not depend on d. A
+    fast kernel's instance wider than d, dv multiplies the columns past them too (zeros):
+    its η counts the useful share, (d + dv) / 2D, of the instance's."""
+    dv = d if dv is None else dv
+    D = K.head_dim_instance(d, dv)
+    if D is not None and (kernel, D) in EFFICIENCY:
+        return EFFICIENCY[(kernel, D)] * (d + dv) / (2 * D)
     return EFFICIENCY.get((kernel, d), EFFICIENCY.get((kernel, None), 0.0))
 
 
@@ -820,7 +830,7 @@ def predict(shape: Shape, io_dtype, band, hardware, *, backward: bool = False,
                          partitions=hw.l2_partitions, max_events=max_events)
         F = step_flops(L, shape)
         flops = F * int(prog.n.sum())
-        eta = efficiency(L.kernel, shape.d)
+        eta = efficiency(L.kernel, shape.d, shape.dv)
         per_slot = eta * hw.peak_flops / L.slots if eta > 0 else math.inf
         parts = {"compute": l2.makespan * F / per_slot if F else 0.0,
                  "dram": l2.dram.total_bytes / hw.dram_sustained_bytes_per_s,

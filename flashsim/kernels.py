@@ -44,7 +44,9 @@ SOURCES = {
 # uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
 ARCH_SPECIFIC = {"flash2_wg.cu": "sm_90a", "flash2_ws.cu": "sm_90a"}
 
-# The tensor-core rung: fp16/bf16, d = dv ∈ TC_HEAD_DIMS, fixed tiles TC_BLOCKS.
+# The tensor-core rung: fp16/bf16, template instances of head dim D ∈ TC_HEAD_DIMS, fixed
+# tiles TC_BLOCKS; head dims d, dv ≤ D (multiples of 8) run on the instance above them
+# (head_dim_instance).
 TC_DTYPES = ("float16", "bfloat16")
 TC_HEAD_DIMS = (64, 128)
 # forward (Br, Bc) per head dim: 4 warps of two 16-row m-tiles (kernels_cu/NOTES.md); on
@@ -61,9 +63,28 @@ TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
 
 
+def head_dim_instance(d: int, dv: int, dims=TC_HEAD_DIMS) -> int | None:
+    """D of the fast rungs' instance that runs head dims d (of Q, K) and dv (of V, O): the
+    smallest of ``dims`` that holds both, for d and dv multiples of 8 (rows are read 16
+    bytes at a time); None where none does. Below D the kernels zero the columns past d
+    and dv on chip and store none of them, so the bytes moved are those of d and dv. The
+    forward runs such inputs in its softcap/ALiBi instance (`padded`)."""
+    if d % 8 or dv % 8 or min(d, dv) < 8:
+        return None
+    return next((D for D in sorted(dims) if max(d, dv) <= D), None)
+
+
+def padded(d: int, dv: int) -> bool:
+    """Head dims below their instance's D: the fast rungs run them in their VAR
+    instances (flash2_tc.cu's plain ones, at 255 registers, spilled with the column
+    tests); its constants make softcap and ALiBi no-ops there."""
+    D = head_dim_instance(d, dv)
+    return D is not None and (d < D or dv < D)
+
+
 def tc_blocks(d: int, cc_major: int, variant: bool = False) -> tuple[int, int]:
     """(Br, Bc) of the tensor-core forward on a device of this compute capability
-    (``variant``: its softcap/ALiBi instance)."""
+    (``variant``: its softcap/ALiBi instance), for the instance of head dim d."""
     if cc_major < 9:
         return TC_BLOCKS_AMPERE[d]
     return (TC_BLOCKS_VAR if variant else TC_BLOCKS)[d]
@@ -143,21 +164,25 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
     """The Hopper forward (or backward) runs these inputs on a device of compute
     capability ``cc`` (its sm_90a code runs on 9.0 alone) whose CTAs may opt in to
     ``smem_limit`` bytes."""
-    if not (dtype in TC_DTYPES and d == dv and d in WG_HEAD_DIMS and cc == WG_COMPUTE_CAPABILITY):
+    D = head_dim_instance(d, dv, WG_HEAD_DIMS)
+    if not (dtype in TC_DTYPES and D is not None and cc == WG_COMPUTE_CAPABILITY):
         return False
-    tiles = wg_blocks(d, backward)
+    tiles = wg_blocks(D, backward)
     kernel = "flash2_bwd_wg" if backward else "flash2_fwd_wg"
     return ((block_sizes is None or tuple(block_sizes) == tiles)
-            and smem_bytes(kernel, *tiles, d, dv, dtype) <= smem_limit)
+            and smem_bytes(kernel, *tiles, D, D, dtype) <= smem_limit)
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
                 backward: bool = False, variant: bool = False) -> bool:
-    """The mma.sync rung (compute capability 8.0 on) runs these inputs with its tiles."""
-    if not (dtype in TC_DTYPES and d == dv and d in TC_HEAD_DIMS and cc >= 80):
+    """The mma.sync rung (compute capability 8.0 on) runs these inputs with its tiles
+    (``variant``: the softcap/ALiBi instance's, which a forward below its D runs too)."""
+    D = head_dim_instance(d, dv)
+    if not (dtype in TC_DTYPES and D is not None and cc >= 80):
         return False
-    tiles = tc_bwd_blocks(d, cc // 10) if backward else tc_blocks(d, cc // 10, variant)
-    need = smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, d, dv, dtype)
+    variant = variant or padded(d, dv)
+    tiles = tc_bwd_blocks(D, cc // 10) if backward else tc_blocks(D, cc // 10, variant)
+    need = smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, D, D, dtype)
     return (block_sizes is None or tuple(block_sizes) == tiles) and need <= smem_limit
 
 
@@ -254,7 +279,7 @@ REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255},
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 128, 128: 252}, "flash2_bwd_wg": {64: 250, 128: 234},
+              "flash2_fwd_wg": {64: 128, 128: 231}, "flash2_bwd_wg": {64: 250, 128: 234},
               "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},

@@ -297,29 +297,33 @@ inline bool count_thread() { return threadIdx.x == 0; }
 #endif
 
 // -- the forward's Q tile (tensor-core rungs) ------------------------------------------
-// A Q tile of `rows` rows (O_i, row stride ldo, and L_i) that sees no key writes O_i = 0 and
-// L_i = −∞ and moves nothing else; the CTA's THREADS threads share the writes.
-template <typename T, int D, int THREADS>
-__device__ __forceinline__ void fwd_tile_unseen(T* Oi, int ldo, float* Li, int rows,
+// The fast rungs' head dims are template instances D; a head dim d (dv) below the
+// instance's runs on it with the columns past d (dv) zero-filled on chip and never
+// stored, so every count below is of the real d and dv, as the simulator's.
+// A Q tile of `rows` rows (O_i, row stride ldo, dv columns, and L_i) that sees no key
+// writes O_i = 0 and L_i = −∞ and moves nothing else; the CTA's THREADS threads share
+// the writes.
+template <typename T, int THREADS>
+__device__ __forceinline__ void fwd_tile_unseen(T* Oi, int ldo, float* Li, int rows, int dv,
                                                 unsigned long long* io) {
-    for (int x = threadIdx.x; x < rows * D; x += THREADS) Oi[(long long)(x / D) * ldo + x % D] = from_acc<T>(0.0f);
+    for (int x = threadIdx.x; x < rows * dv; x += THREADS) Oi[(long long)(x / dv) * ldo + x % dv] = from_acc<T>(0.0f);
     for (int r = threadIdx.x; r < rows; r += THREADS) Li[r] = neg_inf<float>();
-    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));    // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));   // SRAM→HBM: O_i (Br·dv)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
 }
 // The traffic of the CTA of a Q tile that visits K/V tiles jlo..jhi of Bc keys, counted
 // once before the main loop, where registers are free (counts inside or after the loop
 // would hold registers the loop needs).
-template <typename T, int D>
+template <typename T>
 __device__ __forceinline__ void fwd_tile_count(unsigned long long* io, int rows, int jlo, int jhi,
-                                               int Bc, int Nk) {
-    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
-    {   // HBM→SRAM: K_j, V_j (Bc·d each) for j = jlo..jhi, the last tile cut at Nk
+                                               int Bc, int Nk, int d, int dv) {
+    COUNT_IO(io, IO_Q_R, (long long)rows * d * sizeof(T));        // HBM→SRAM: Q_i (Br·d)
+    {   // HBM→SRAM: K_j (Bc·d), V_j (Bc·dv) for j = jlo..jhi, the last tile cut at Nk
         const long long kv_rows = min(Nk, (jhi + 1) * Bc) - jlo * Bc;
-        COUNT_IO(io, IO_K_R, kv_rows * D * sizeof(T));
-        COUNT_IO(io, IO_V_R, kv_rows * D * sizeof(T));
+        COUNT_IO(io, IO_K_R, kv_rows * d * sizeof(T));
+        COUNT_IO(io, IO_V_R, kv_rows * dv * sizeof(T));
     }
-    COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));        // SRAM→HBM: O_i (Br·d)
+    COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));       // SRAM→HBM: O_i (Br·dv)
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                    // SRAM→HBM: L_i (Br)
 }
 
@@ -327,14 +331,15 @@ __device__ __forceinline__ void fwd_tile_count(unsigned long long* io, int rows,
 // steps hold q_rows rows (the last cut at Nq), counted once after the main loop:
 // K_j, V_j once, and per step Q_i, dO_i, L_i, D_i in and dQacc_i in and out (dK_j and
 // dV_j are counted where they are written)
-template <typename T, int D>
-__device__ __forceinline__ void bwd_tile_count(unsigned long long* io, int cols, long long q_rows) {
-    COUNT_IO(io, IO_K_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
-    COUNT_IO(io, IO_V_R, (long long)cols * D * sizeof(T));    // HBM→SRAM: V_j (Bc·d)
-    COUNT_IO(io, IO_Q_R, q_rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
-    COUNT_IO(io, IO_dO_R, q_rows * D * sizeof(T));            // HBM→SRAM: dO_i (Br·d)
+template <typename T>
+__device__ __forceinline__ void bwd_tile_count(unsigned long long* io, int cols, long long q_rows,
+                                               int d, int dv) {
+    COUNT_IO(io, IO_K_R, (long long)cols * d * sizeof(T));    // HBM→SRAM: K_j (Bc·d)
+    COUNT_IO(io, IO_V_R, (long long)cols * dv * sizeof(T));   // HBM→SRAM: V_j (Bc·dv)
+    COUNT_IO(io, IO_Q_R, q_rows * d * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
+    COUNT_IO(io, IO_dO_R, q_rows * dv * sizeof(T));           // HBM→SRAM: dO_i (Br·dv)
     COUNT_IO(io, IO_L_R, q_rows * 4);                         // HBM→SRAM: L_i (Br)
     COUNT_IO(io, IO_D_R, q_rows * 4);                         // HBM→SRAM: D_i (Br)
-    COUNT_IO(io, IO_dQacc_R, q_rows * D * 4);                 // HBM→SRAM: dQacc_i (Br·d fp32)
-    COUNT_IO(io, IO_dQacc_W, q_rows * D * 4);                 // SRAM→HBM: dQacc_i (Br·d fp32)
+    COUNT_IO(io, IO_dQacc_R, q_rows * d * 4);                 // HBM→SRAM: dQacc_i (Br·d fp32)
+    COUNT_IO(io, IO_dQacc_W, q_rows * d * 4);                 // SRAM→HBM: dQacc_i (Br·d fp32)
 }

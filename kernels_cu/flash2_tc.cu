@@ -2,7 +2,10 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128}: head
+//                        dims d, dv ≤ D, multiples of 8 (below D the columns past them are
+//                        zeroed on chip and never stored; forward and backward run them
+//                        in their VAR instances, whose registers have room for the tests),
 //                        tiles Br × Bc = 128 × 128 (D = 64), 128 × 64 (D = 128; and on
 //                        Ampere at D = 64). Adds over
 //                        flash2_fwd (the reference):
@@ -108,20 +111,24 @@ __device__ __forceinline__ unsigned swz_base(const void* tile, int r, int h) {
 __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
     return (base ^ ((k & 3) << 5)) + ((k >> 2) << 7);
 }
-// rows [0, valid) of a ROWS × D tile from global (rows ld elements apart, D contiguous)
-// into shared, by THREADS threads, 16 bytes each per pass. The passes are unrolled at
-// compile time and a thread keeps its 16-byte column c in every pass, so its swizzled
-// shared address moves by constants and its global one by RPI·ld: one predicate, one
-// address select and one cp.async per chunk (a runtime loop with x / CH and x % CH cost
-// ~20 instructions each).
+// rows [0, valid) of a ROWS × D tile from global (rows ld elements apart, `width` ≤ D
+// contiguous) into shared, by THREADS threads, 16 bytes each per pass. The passes are
+// unrolled at compile time and a thread keeps its 16-byte column c in every pass, so its
+// swizzled shared address moves by constants and its global one by RPI·ld: one
+// predicate, one address select and one cp.async per chunk (a runtime loop with x / CH
+// and x % CH cost ~20 instructions each). An instance wider than the head dim (width <
+// D) leaves the columns past width alone: zero_cols filled them with zeros once, and the
+// threads that own them return at once (a per-chunk test instead held registers the
+// D = 128 forward's loop needed, and it spilled).
 template <typename T, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid) {
+__device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid, int width) {
     constexpr int CH = D / 8, RPI = THREADS / CH;   // 16-byte chunks per row, rows per pass
     static_assert(THREADS % CH == 0, "a pass must cover whole rows");
     // tid read through volatile asm: the compiler may not hoist it, and so keeps no
     // per-thread offsets live across the caller's loop (registers are short there)
     const unsigned tid = opaque_tid();
     const int c = tid % CH, r0 = tid / CH;
+    if (c * 8 >= width) return;
 #pragma unroll
     for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
         const int r = r0 + it * RPI;
@@ -132,6 +139,19 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid) {
         cp_async16(s + r * D + (sc << 3), g + (ok ? r * ld + c * 8 : 0), ok);
     }
 }
+// zeros into the columns [width, D) of a ROWS × D swizzled tile (rows' chunks permuted
+// within each group of 8, so the columns past width are some set of chunks: all chunks c
+// with c ≥ width/8 before the swizzle), before any load_tile of it: they stay zero, so
+// S = Q Kᵀ and dPᵀ = V dOᵀ sum only the head dim's columns
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void zero_cols(T* s, int width) {
+    constexpr int CH = D / 8;
+    const int w = width / 8;
+    for (int x = threadIdx.x; x < ROWS * (CH - w); x += THREADS) {
+        const int r = x / (CH - w), c = w + x % (CH - w);
+        *reinterpret_cast<uint4*>(s + r * D + ((c ^ (r & 7)) << 3)) = make_uint4(0, 0, 0, 0);
+    }
+}
 
 }  // namespace tc
 
@@ -139,7 +159,8 @@ template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int left, int right, float scale_log2, float k_in, float k_out,
+              int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int d, int dv, int left, int right,
+              float scale_log2, float k_in, float k_out,
               const float* __restrict__ slopes, const int* __restrict__ vl,
               unsigned long long* io) {
     using namespace tc;
@@ -173,6 +194,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // template argument, not a run-time test, so the plain instance keeps every register
     // it had (a run-time branch made it spill)
     const float sl2 = VAR ? 1.f : scale_log2;
+    // Head dims d, dv below the instance's D run in the VAR instance alone (the launcher
+    // sends them there, with softcap and ALiBi off): there the loads skip the columns
+    // past them and the epilogue does not store them; the plain instance, at 255
+    // registers, spilled with those tests, and takes d = dv = D.
+    const int nd = VAR ? d : D, ndv = VAR ? dv : D;
     // VL: inside the loop the sequence's key count and its K/V rows are read from shared
     // memory (again after each barrier); held in registers they made the d = 128 instance
     // spill. Dense: the parameter Nk and registers. Written before the barrier that
@@ -186,18 +212,26 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     }
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        fwd_tile_unseen<T, D, 32 * warps<D>()>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo,
-                                               ldo, L + q_row, rows, io);
+        fwd_tile_unseen<T, 32 * warps<D>()>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo,
+                                            ldo, L + q_row, rows, dv, io);
         return;
     }
-    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
+    fwd_tile_count<T>(io, rows, jlo, jhi, Bc, nk, d, dv);
 
-    load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows);   // HBM→SRAM: Q_i (Br·d)
+    if (nd < D || ndv < D) {                          // an instance wider than the head dims
+        zero_cols<T, D, Br, 32 * warps<D>()>(sQ, nd);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            zero_cols<T, D, Bc, 32 * warps<D>()>(sK + b * Bc * D, nd);
+            zero_cols<T, D, Bc, 32 * warps<D>()>(sV + b * Bc * D, ndv);
+        }
+    }
+    load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows, nd);   // HBM→SRAM: Q_i (Br·d)
     cp_async_commit();
     {
         const int j0 = jlo * Bc, cols = min(Bc, nk - j0);
-        load_tile<T, D, Bc, 32 * warps<D>()>(sK, Kp + (long long)j0 * ldk, ldk, cols);    // HBM→SRAM: K_j (Bc·d)
-        load_tile<T, D, Bc, 32 * warps<D>()>(sV, Vp + (long long)j0 * ldv, ldv, cols);    // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sK, Kp + (long long)j0 * ldk, ldk, cols, nd);   // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc, 32 * warps<D>()>(sV, Vp + (long long)j0 * ldv, ldv, cols, ndv);   // HBM→SRAM: V_j (Bc·dv)
         cp_async_commit();
     }
     cp_async_wait<1>();                              // Q has landed
@@ -236,8 +270,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // stream tile j+1 into the other buffer behind tile j
         auto prefetch = [&]() {
             const int j0n = (j + 1) * Bc, colsn = min(Bc, (VL ? s_nk : Nk) - j0n);
-            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, (VL ? s_kv[0] : Kp) + (long long)j0n * ldk, ldk, colsn);
-            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, (VL ? s_kv[1] : Vp) + (long long)j0n * ldv, ldv, colsn);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, (VL ? s_kv[0] : Kp) + (long long)j0n * ldk, ldk, colsn, nd);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, (VL ? s_kv[1] : Vp) + (long long)j0n * ldv, ldv, colsn, ndv);
             cp_async_commit();
         };
         if constexpr (!LATE) {
@@ -388,6 +422,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
         for (int t = 0; t < D / 8; ++t) {
             const int c = t * 8 + tig * 2;
+            if (VAR && c >= opaque(dv)) break;       // the instance's columns past dv
             if (r0 < rows_e)
                 *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) =
                     pack<T>(o[mi][t][0] * inv0, o[mi][t][1] * inv0);
@@ -484,6 +519,9 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     const int j = sq.tile, nq = sq.Nq, nk = sq.Nk;
     const int j0 = j * Bc, cols = min(Bc, nk - j0);
     const Band band{left, right, nk - nq};
+    // head dims below D: in the VAR instance alone, as in the forward (the plain one
+    // takes d = dv = D: its dQ loop spilled with the column test)
+    const int nd = VAR ? d : D, ndv = VAR ? dv : D;
     // VAR (softcap and ALiBi): P from the finished scores, and dS through the softcap's
     // derivative 1 − tanh² (the scale is applied to dQ and dK at the end, as without)
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
@@ -508,13 +546,13 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2, DS_FROM_P = Bc * SPS * 2;   // bytes
     const bool ragged = cols < Bc;                // keys past Nk in this tile
 
-    float dv[2][DN][4], dk[2][DN][4];             // keys k0 + 16·mt (+8), columns wh·D/2 + 8t
+    float dv_acc[2][DN][4], dk_acc[2][DN][4];             // keys k0 + 16·mt (+8), columns wh·D/2 + 8t
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int t = 0; t < DN; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dv[mt][t][e] = dk[mt][t][e] = 0.f;
+            for (int e = 0; e < 4; ++e) dv_acc[mt][t][e] = dk_acc[mt][t][e] = 0.f;
 
     // the sequence's first rows in Q_p and dO_p (strided: common.cuh's at table). Inside
     // the loop they are read from shared memory, written here and read after the loop's
@@ -529,8 +567,8 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
         const int i0 = i * BrB, rows = min(BrB, nq - i0);
         const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
-        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Qs + (long long)i0 * ldq, ldq, rows);
-        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dOs + (long long)i0 * lddo, lddo, rows);
+        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Qs + (long long)i0 * ldq, ldq, rows, nd);      // HBM→SRAM: Q_i (Br·d)
+        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dOs + (long long)i0 * lddo, lddo, rows, ndv);  // HBM→SRAM: dO_i (Br·dv)
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
         // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
         for (int r = tid; r < BrB; r += THREADS) {
@@ -541,9 +579,18 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         cp_async_commit();
     };
 
+    if (ihi >= ilo && (nd < D || ndv < D)) {          // an instance wider than the head dims
+        zero_cols<T, D, Bc, THREADS>(sK, nd);
+        zero_cols<T, D, Bc, THREADS>(sV, ndv);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            zero_cols<T, D, BrB, THREADS>(sQ + b * BrB * D, nd);
+            zero_cols<T, D, BrB, THREADS>(sdO + b * BrB * D, ndv);
+        }
+    }
     if (ihi >= ilo) {
-        load_tile<T, D, Bc, THREADS>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols);
-        load_tile<T, D, Bc, THREADS>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols);
+        load_tile<T, D, Bc, THREADS>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols, nd);  // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc, THREADS>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols, ndv);  // HBM→SRAM: V_j (Bc·dv)
         cp_async_commit();
         load_q_step(ilo, 0, Qs, dOs);
     }
@@ -657,8 +704,8 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                     ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        mma16816<T>(dv[mt][t], a[mt], b);
-                        mma16816<T>(dv[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(dv_acc[mt][t], a[mt], b);
+                        mma16816<T>(dv_acc[mt][t + 1], a[mt], b + 2);
                     }
                 }
 #pragma unroll
@@ -669,8 +716,8 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                     ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
-                        mma16816<T>(dk[mt][t], a[mt], b);
-                        mma16816<T>(dk[mt][t + 1], a[mt], b + 2);
+                        mma16816<T>(dk_acc[mt][t], a[mt], b);
+                        mma16816<T>(dk_acc[mt][t + 1], a[mt], b + 2);
                     }
                 }
             }
@@ -704,14 +751,17 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                 }
             }
             if constexpr (DET) wait_turn(turn, mine);
+            // VAR: this warp's column tiles below d (warp-uniform: d is a multiple of 8)
+            const int tn = VAR ? (opaque(d) >> 3) - (int)(opaque_tid() >> 5) / WQ * DQ : DQ;
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 const int r0 = wq * 32 + mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
                 for (int t = 0; t < DQ; ++t) {
                     const int c = wd * DQ * 8 + t * 8 + tig * 2;
-                    if (r0 < rows) add2(dQacc + (q_row + r0) * D + c, scale * dq[mt][t][0], scale * dq[mt][t][1]);
-                    if (r1 < rows) add2(dQacc + (q_row + r1) * D + c, scale * dq[mt][t][2], scale * dq[mt][t][3]);
+                    const int lim = !VAR || t < tn ? rows : 0;  // (VAR: columns past d)
+                    if (r0 < lim) add2(dQacc + (q_row + r0) * d + c, scale * dq[mt][t][0], scale * dq[mt][t][1]);
+                    if (r1 < lim) add2(dQacc + (q_row + r1) * d + c, scale * dq[mt][t][2], scale * dq[mt][t][3]);
                 }
             }
             if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
@@ -720,7 +770,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     // the traffic, counted once after the loop (counter updates inside it would hold
     // registers): K_j, V_j once, and per visited step i = ilo..ihi (the last cut at Nq)
     // Q_i, dO_i, L_i, D_i in and dQacc_i in and out
-    if (ihi >= ilo) bwd_tile_count<T, D>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB);
+    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     // (the table read here, not hoisted above the loop into registers it needs)
@@ -731,19 +781,19 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         const int r0 = k0 + mt * 16, r1 = r0 + 8;
 #pragma unroll
         for (int t = 0; t < DN; ++t) {
-            const int c = wh * (D / 2) + t * 8 + tig * 2;
+            const int c = wh * (D / 2) + t * 8 + tig * 2;   // (columns past d, dv: not stored)
             if (r0 < cols) {
-                *reinterpret_cast<unsigned*>(dKj + (long long)r0 * lddk + c) = pack<T>(scale * dk[mt][t][0], scale * dk[mt][t][1]);
-                *reinterpret_cast<unsigned*>(dVj + (long long)r0 * lddv + c) = pack<T>(dv[mt][t][0], dv[mt][t][1]);
+                if (c < d) *reinterpret_cast<unsigned*>(dKj + (long long)r0 * lddk + c) = pack<T>(scale * dk_acc[mt][t][0], scale * dk_acc[mt][t][1]);
+                if (c < dv) *reinterpret_cast<unsigned*>(dVj + (long long)r0 * lddv + c) = pack<T>(dv_acc[mt][t][0], dv_acc[mt][t][1]);
             }
             if (r1 < cols) {
-                *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk[mt][t][2], scale * dk[mt][t][3]);
-                *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv[mt][t][2], dv[mt][t][3]);
+                if (c < d) *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk_acc[mt][t][2], scale * dk_acc[mt][t][3]);
+                if (c < dv) *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv_acc[mt][t][2], dv_acc[mt][t][3]);
             }
         }
     }
-    COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
-    COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
+    COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));     // SRAM→HBM: dV_j (Bc·dv)
 }
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
@@ -771,7 +821,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(tcb::PRE_THREADS)
 flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
                          const long long* __restrict__ at, float* __restrict__ Dv,
-                         float* __restrict__ dQacc, int Nq, int ldo, int lddo,
+                         float* __restrict__ dQacc, int Nq, int ldo, int lddo, int d, int dv,
                          unsigned long long* io) {
     constexpr int LPR = D / 8, RPP = tcb::PRE_THREADS / LPR;    // lanes per row, rows per pass
     const int i0 = blockIdx.x * tcb::PRE_BR, rows = min(tcb::PRE_BR, Nq - i0);
@@ -781,7 +831,7 @@ flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
     const int c = threadIdx.x % LPR;
     for (int r = threadIdx.x / LPR; r < tcb::PRE_BR; r += RPP) {   // every lane of a row group
         float acc = 0.f;                                            // reaches the shuffles
-        if (r < rows) {
+        if (r < rows && c * 8 < dv) {                               // (columns past dv: none)
             const uint4 o = *reinterpret_cast<const uint4*>(Oi + (long long)r * ldo + c * 8);
             const uint4 g = *reinterpret_cast<const uint4*>(dOi + (long long)r * lddo + c * 8);
             const T* oe = reinterpret_cast<const T*>(&o);
@@ -793,10 +843,10 @@ flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
         for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
         if (r < rows && c == 0) Dv[row + r] = acc;
     }
-    float4* z = reinterpret_cast<float4*>(dQacc + row * D);
-    for (int x = threadIdx.x; x < rows * D / 4; x += tcb::PRE_THREADS) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
-    COUNT_IO(io, IO_O_R, (long long)rows * D * sizeof(T));       // HBM→SRAM: O_i (Br·dv)
-    COUNT_IO(io, IO_dO_R, (long long)rows * D * sizeof(T));      // HBM→SRAM: dO_i (Br·dv)
+    float4* z = reinterpret_cast<float4*>(dQacc + row * d);     // rows of d floats, d % 8 = 0
+    for (int x = threadIdx.x; x < rows * d / 4; x += tcb::PRE_THREADS) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
+    COUNT_IO(io, IO_O_R, (long long)rows * dv * sizeof(T));      // HBM→SRAM: O_i (Br·dv)
+    COUNT_IO(io, IO_dO_R, (long long)rows * dv * sizeof(T));     // HBM→SRAM: dO_i (Br·dv)
     COUNT_IO(io, IO_D_W, (long long)rows * 4);                   // SRAM→HBM: D_i (Br)
-    COUNT_IO(io, IO_dQacc_W, (long long)rows * D * 4);           // SRAM→HBM: dQacc_i = 0 (Br·d fp32)
+    COUNT_IO(io, IO_dQacc_W, (long long)rows * d * 4);           // SRAM→HBM: dQacc_i = 0 (Br·d fp32)
 }

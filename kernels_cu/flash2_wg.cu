@@ -1,7 +1,9 @@
 // flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
-//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128} (d = dv = D),
+//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128}: head
+//                        dims d, dv ≤ D, multiples of 8 (the columns past them zero-filled
+//                        by the loads and never stored; so too in the backward below),
 //                        tiles Br × Bc = 128 × 128 (D = 128), 128 × 64 (D = 64, two CTAs
 //                        per SM). Over flash2_fwd_tc it changes how the
 //                        products run:
@@ -51,23 +53,25 @@ constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, B
 template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 64 ? 64 : 128); }
 template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D == 64 ? 2 : 1); }
 
-// rows [0, valid) of a ROWS × D tile (global: rows ld elements apart, D contiguous) into
+// rows [0, valid) of a ROWS × D tile (global: rows ld elements apart, `width` ≤ D
+// contiguous; the instance's columns past a smaller head dim are zero-filled) into
 // the swizzled layout above, 16 bytes per thread per pass; a thread keeps its chunk
 // column in every pass (THREADS / (D/8) rows per pass, a multiple of 8, so its swizzle is
 // fixed too)
 template <typename T, int D, int ROWS>
-__device__ __forceinline__ void load_tile(unsigned s, const T* g, int ld, int valid) {
+__device__ __forceinline__ void load_tile(unsigned s, const T* g, int ld, int valid, int width) {
     constexpr int CH = D / 8, RPI = THREADS / CH;
     static_assert(RPI % 8 == 0, "a pass must cover whole 8-row groups");
     unsigned tid;
     asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
     const int c = tid % CH, r0 = tid / CH;
+    const bool in = c * 8 < width;                   // width: a multiple of 8
     const unsigned dst = s + (c >> 3) * (ROWS * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
 #pragma unroll
     for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
         const int r = r0 + it * RPI;
         if (ROWS % RPI != 0 && r >= ROWS) break;     // only when the passes overshoot
-        const bool ok = r < valid;
+        const bool ok = r < valid && in;
         cp_async16(dst + it * RPI * 128, g + (ok ? r * ld + c * 8 : 0), ok);
     }
 }
@@ -79,7 +83,8 @@ template <typename T, int D, bool VAR, bool VL>
 __global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
-              int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int left, int right, float scale_log2, float k_in, float k_out,
+              int Nq, int Nk, int ldq, int ldk, int ldv, int ldo, int d, int dv, int left, int right,
+              float scale_log2, float k_in, float k_out,
               const float* __restrict__ slopes, const int* __restrict__ vl,
               unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -119,11 +124,11 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        fwd_tile_unseen<T, D, THREADS>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo, ldo,
-                                       L + q_row, rows, io);
+        fwd_tile_unseen<T, THREADS>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo, ldo,
+                                    L + q_row, rows, dv, io);
         return;
     }
-    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
+    fwd_tile_count<T>(io, rows, jlo, jhi, Bc, nk, d, dv);
 
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
@@ -223,10 +228,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // softmax while the second product runs, then waits for it and scales O_i. Loads run
     // one step ahead: K_j and V_{j−1} are waited for at the top of step j, behind which
     // K_{j+1} and V_j stream in. Buffers: K_j and V_j in (j − jlo) & 1.
-    load_tile<T, D, Br>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows);   // HBM→SRAM: Q_i (Br·d)
+    load_tile<T, D, Br>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows, d);   // HBM→SRAM: Q_i (Br·d)
     {
         const int j0 = jlo * Bc;
-        load_tile<T, D, Bc>(sK, Kp + (long long)j0 * ldk, ldk, min(Bc, nk - j0));   // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc>(sK, Kp + (long long)j0 * ldk, ldk, min(Bc, nk - j0), d);   // HBM→SRAM: K_j (Bc·d)
     }
     cp_async_commit();
     cp_async_wait<0>();
@@ -234,9 +239,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     __syncthreads();
     {
         const int j0 = jlo * Bc;
-        load_tile<T, D, Bc>(sV, Vp + (long long)j0 * ldv, ldv, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc>(sV, Vp + (long long)j0 * ldv, ldv, min(Bc, nk - j0), dv);   // HBM→SRAM: V_j (Bc·dv)
         if (jlo < jhi)
-            load_tile<T, D, Bc>(sK + Bc * D * 2, Kp + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc));
+            load_tile<T, D, Bc>(sK + Bc * D * 2, Kp + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc), d);
         cp_async_commit();
     }
     wgmma_fence();
@@ -257,9 +262,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                                                      // step j − 2 are read by everyone
         {
             const int j0 = j * Bc;
-            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, (VL ? s_kv[1] : Vp) + (long long)j0 * ldv, ldv, min(Bc, nk - j0));   // HBM→SRAM: V_j (Bc·d)
+            load_tile<T, D, Bc>(sV + buf * Bc * D * 2, (VL ? s_kv[1] : Vp) + (long long)j0 * ldv, ldv, min(Bc, nk - j0), dv);   // HBM→SRAM: V_j (Bc·dv)
             if (j < jhi)                             // HBM→SRAM: K_{j+1} (Bc·d)
-                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, (VL ? s_kv[0] : Kp) + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc));
+                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, (VL ? s_kv[0] : Kp) + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc), d);
             cp_async_commit();
         }
         fence_regs<Bc / 2>(s);
@@ -299,6 +304,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
     for (int t = 0; t < D / 8; ++t) {
         const int c = t * 8 + tig * 2;
+        if (c >= dv) break;                          // the instance's columns past dv
         if (r0 < rows)
             *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
         if (r1 < rows)
@@ -373,9 +379,9 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
     const int kr = grp * 64 + (warp & 3) * 16 + g;   // this thread's keys kr, kr + 8 in the tile
 
-    float dv[D / 2], dk[D / 2];                      // dV_j, dK_j of the warpgroup's 64 keys
+    float dv_acc[D / 2], dk_acc[D / 2];                      // dV_j, dK_j of the warpgroup's 64 keys
 #pragma unroll
-    for (int x = 0; x < D / 2; ++x) dv[x] = dk[x] = 0.f;
+    for (int x = 0; x < D / 2; ++x) dv_acc[x] = dk_acc[x] = 0.f;
 
     // the sequence's first rows in Q_p and dO_p, read back from shared memory in the loop
     // (flash2_bwd_tc: held in registers across it they spill)
@@ -387,8 +393,8 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
         const int i0 = i * BrB, rows = min(BrB, nq - i0);
         const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
-        load_tile<T, D, BrB>(sQ + buf * BrB * D * 2, Qs + (long long)i0 * ldq, ldq, rows);     // HBM→SRAM: Q_i (Br·d)
-        load_tile<T, D, BrB>(sdO + buf * BrB * D * 2, dOs + (long long)i0 * lddo, lddo, rows); // HBM→SRAM: dO_i (Br·d)
+        load_tile<T, D, BrB>(sQ + buf * BrB * D * 2, Qs + (long long)i0 * ldq, ldq, rows, d);     // HBM→SRAM: Q_i (Br·d)
+        load_tile<T, D, BrB>(sdO + buf * BrB * D * 2, dOs + (long long)i0 * lddo, lddo, rows, dv); // HBM→SRAM: dO_i (Br·dv)
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
         // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
         for (int r = tid; r < BrB; r += THREADS) {
@@ -400,8 +406,8 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     };
 
     if (ihi >= ilo) {
-        load_tile<T, D, Bc>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols);   // HBM→SRAM: K_j (Bc·d)
-        load_tile<T, D, Bc>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols);   // HBM→SRAM: V_j (Bc·d)
+        load_tile<T, D, Bc>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols, d);   // HBM→SRAM: K_j (Bc·d)
+        load_tile<T, D, Bc>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols, dv);   // HBM→SRAM: V_j (Bc·dv)
         cp_async_commit();
         __syncthreads();                             // s_qdo
         load_q_step(ilo, 0, s_qdo[0], s_qdo[1]);
@@ -481,11 +487,11 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
             pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
             pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
         }
-        fence_regs<D / 2>(dv);
+        fence_regs<D / 2>(dv_acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BrB / 16; ++kk)
-            Wgmma<T, D>::rs(dv, pf[kk], desc(dob + kk * 16 * 128, BrB * 128, 1024));
+            Wgmma<T, D>::rs(dv_acc, pf[kk], desc(dob + kk * 16 * 128, BrB * 128, 1024));
         wgmma_commit();
         if constexpr (!VAR) {
             wgmma_wait<1>();                         // dPᵀ is done; dV_j's product may run on
@@ -507,11 +513,11 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
             asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0), "r"(dsf[t >> 1][(t & 1) * 2 + 0]) : "memory");
             asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0 + 8 * 128), "r"(dsf[t >> 1][(t & 1) * 2 + 1]) : "memory");
         }
-        fence_regs<D / 2>(dk);
+        fence_regs<D / 2>(dk_acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BrB / 16; ++kk)
-            Wgmma<T, D>::rs(dk, dsf[kk], desc(qb + kk * 16 * 128, BrB * 128, 1024));
+            Wgmma<T, D>::rs(dk_acc, dsf[kk], desc(qb + kk * 16 * 128, BrB * 128, 1024));
         wgmma_commit();
         fence_proxy_async();                         // dSᵀ, written by the warps, read by wgmma
         asm volatile("bar.sync 1, %0;\n" :: "n"(THREADS) : "memory");   // every key's dSᵀ
@@ -529,8 +535,8 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
             wgmma_commit();
             wgmma_wait<0>();                         // and dV_j's, dK_j's products
             fence_regs<32>(dq);
-            fence_regs<D / 2>(dv);
-            fence_regs<D / 2>(dk);
+            fence_regs<D / 2>(dv_acc);
+            fence_regs<D / 2>(dk_acc);
 #pragma unroll
             for (int kk = 0; kk < BrB / 16; ++kk) {  // the products have read Pᵀ, dSᵀ: only now
                 asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
@@ -544,14 +550,15 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
 #pragma unroll
             for (int t = 0; t < 8; ++t) {
                 const int c = nblk * 64 + t * 8 + tig * 2;
-                if (r0 < rows) add2(dQacc + (q_row + r0) * D + c, scale * dq[4 * t], scale * dq[4 * t + 1]);
-                if (r1 < rows) add2(dQacc + (q_row + r1) * D + c, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+                if (c >= d) break;                            // the instance's columns past d
+                if (r0 < rows) add2(dQacc + (q_row + r0) * d + c, scale * dq[4 * t], scale * dq[4 * t + 1]);
+                if (r1 < rows) add2(dQacc + (q_row + r1) * d + c, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
             }
             if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
         }
     }
     // the traffic, counted once after the loop, as flash2_bwd_tc's
-    if (ihi >= ilo) bwd_tile_count<T, D>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB);
+    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
@@ -559,18 +566,18 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     const int r1 = kr + 8;
 #pragma unroll
     for (int t = 0; t < D / 8; ++t) {
-        const int c = t * 8 + tig * 2;
+        const int c = t * 8 + tig * 2;                // (columns past d, dv: not stored)
         if (kr < cols) {
-            *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + c) = pack<T>(scale * dk[4 * t], scale * dk[4 * t + 1]);
-            *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + c) = pack<T>(dv[4 * t], dv[4 * t + 1]);
+            if (c < d) *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + c) = pack<T>(scale * dk_acc[4 * t], scale * dk_acc[4 * t + 1]);
+            if (c < dv) *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + c) = pack<T>(dv_acc[4 * t], dv_acc[4 * t + 1]);
         }
         if (r1 < cols) {
-            *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk[4 * t + 2], scale * dk[4 * t + 3]);
-            *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv[4 * t + 2], dv[4 * t + 3]);
+            if (c < d) *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk_acc[4 * t + 2], scale * dk_acc[4 * t + 3]);
+            if (c < dv) *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv_acc[4 * t + 2], dv_acc[4 * t + 3]);
         }
     }
-    COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
-    COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·d)
+    COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));      // SRAM→HBM: dV_j (Bc·dv)
 #else
     __trap();
 #endif

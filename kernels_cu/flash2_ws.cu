@@ -108,11 +108,11 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        fwd_tile_unseen<T, D, THREADS>(O + at_row0(at, p, AT_O) + i0 * (long long)ldo, ldo,
-                                       L + q_row, rows, io);
+        fwd_tile_unseen<T, THREADS>(O + at_row0(at, p, AT_O) + i0 * (long long)ldo, ldo,
+                                    L + q_row, rows, D, io);
         return;
     }
-    fwd_tile_count<T, D>(io, rows, jlo, jhi, Bc, nk);
+    fwd_tile_count<T>(io, rows, jlo, jhi, Bc, nk, D, D);
     if (threadIdx.x == 0) {
         mbar_init(bQ, 1);
         for (int s = 0; s < STAGES; ++s) {

@@ -47,6 +47,13 @@ FLASHSIM_OPAQUE_SREG(opaque_ctaid_x, "ctaid.x")
 FLASHSIM_OPAQUE_SREG(opaque_ctaid_y, "ctaid.y")
 FLASHSIM_OPAQUE_SREG(opaque_nctaid_x, "nctaid.x")
 #undef FLASHSIM_OPAQUE_SREG
+// x as a value the compiler cannot derive anything from ahead of this point: a
+// parameter (the head dims) read where it is used, not hoisted into a register held
+// across a loop at 255 registers
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
 #else
 // The CPU emulation (host_emu.h). A shared-space address is the byte offset from the
 // block's dynamic shared memory, which the loader aligns to 1024 bytes as the GPU does,
@@ -67,6 +74,7 @@ inline unsigned opaque_tid() { return threadIdx.x; }
 inline unsigned opaque_ctaid_x() { return blockIdx.x; }
 inline unsigned opaque_ctaid_y() { return blockIdx.y; }
 inline unsigned opaque_nctaid_x() { return gridDim.x; }
+inline int opaque(int x) { return x; }
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 inline float ex2(float x) {
@@ -186,8 +194,8 @@ __device__ __forceinline__ void quad_sum(float& r0, float& r1) {
     const long long* __restrict__ at, const T* __restrict__ dO,                            \
     const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc, \
     T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int ldq, int ldk, int ldv,     \
-    int lddo, int lddk, int lddv, int left, int right,                                     \
+    int lddo, int lddk, int lddv, int d, int dv, int left, int right,                      \
     float scale, float k_in, float k_out, const float* __restrict__ slopes,                \
     int* __restrict__ sem, const int* __restrict__ vl,                                     \
     unsigned long long* io
-#define FLASHSIM_BWD_ARGS Q, K, V, at, dO, L, Dv, dQacc, dK, dV, Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv, left, right, scale, k_in, k_out, slopes, sem, vl, io
+#define FLASHSIM_BWD_ARGS Q, K, V, at, dO, L, Dv, dQacc, dK, dV, Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, vl, io

@@ -42,7 +42,7 @@ def main(n_cases: int = 8) -> int:
     launches = fast_variants = 0
     for case in range(n_cases):
         Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
-        d = int(rng.choice([3, 16, 40, 64, 128]))
+        d = int(rng.choice([3, 16, 40, 64, 96, 128]))
         dv = int(rng.choice([d, d, 24]))
         hk, g = int(rng.integers(1, 3)), int(rng.integers(1, 3))
         blocks = [None, (16, 32), (7, 5)][case % 3]
@@ -53,7 +53,8 @@ def main(n_cases: int = 8) -> int:
                 v = rng.standard_normal((2, hk, Nk, dv))
                 qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
                 for count_io in (False, True):
-                    if (dtype in ("float16", "bfloat16") and d == dv and d in (64, 128)):
+                    # (fast: head dims multiples of 8 up to 128, on the instance above them)
+                    if dtype in ("float16", "bfloat16") and fs.kernels.head_dim_instance(d, dv):
                         # the mma.sync forward too: "auto" picks the Hopper one on sm_90
                         fs.gpu.attention(qd, kd, vd, causal=causal, count_io=count_io,
                                          kernel="tc")
@@ -80,7 +81,7 @@ def main(n_cases: int = 8) -> int:
                                           block_sizes=blocks, count_io=True,
                                           deterministic=causal, **var)
                 launches += 4
-                if dtype in ("float16", "bfloat16") and d == dv and d in (64, 128):
+                if dtype in ("float16", "bfloat16") and fs.kernels.head_dim_instance(d, dv):
                     # the fast rungs' softcap/ALiBi instances: tc, and auto (wg on sm_90)
                     for kernel in ("tc", "auto"):
                         out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, kernel=kernel,

@@ -60,8 +60,8 @@ TC_DTYPES = [t for t in DTYPES if t in fs.kernels.TC_DTYPES]
 # the mma.sync rung (flash2_tc.cu), its warp collectives emulated lane by lane: its tiles
 # are those of an H100 (the host build is the sm_90 configuration)
 @EMU
-@given(G.gpu_problems(max_seq=200, head_dims=fs.kernels.TC_HEAD_DIMS, dtypes=TC_DTYPES,
-                      any_blocks=False, same_dv=True))
+@given(G.gpu_problems(max_seq=200, head_dims=G.FAST_HEAD_DIMS, dtypes=TC_DTYPES,
+                      any_blocks=False, dv_dims=G.FAST_HEAD_DIMS))
 def test_tensor_core_forward_matches_simulator(problem):
     with pytest.MonkeyPatch.context() as m:
         G.poison_outputs(m)
@@ -69,8 +69,8 @@ def test_tensor_core_forward_matches_simulator(problem):
 
 
 @EMU
-@given(G.gpu_problems(max_seq=200, head_dims=fs.kernels.TC_HEAD_DIMS, dtypes=TC_DTYPES,
-                      any_blocks=False, same_dv=True), st.booleans())
+@given(G.gpu_problems(max_seq=200, head_dims=G.FAST_HEAD_DIMS, dtypes=TC_DTYPES,
+                      any_blocks=False, dv_dims=G.FAST_HEAD_DIMS), st.booleans())
 def test_tensor_core_backward_matches_simulator(problem, deterministic):
     with pytest.MonkeyPatch.context() as m:
         G.poison_outputs(m)
@@ -204,10 +204,11 @@ def test_numpy_in_numpy_out_and_errors():
         fs.gpu.attention(q, k.astype(np.float16), v)
     with pytest.raises(ValueError, match="shared memory"):
         fs.gpu.attention(q, k, v, block_sizes=(4096, 4096))
-    # the fast rungs' inline PTX has no host meaning: asked for by name, they say so
+    # a head dim that is not a multiple of 8 has no fast instance: asked for by name, the
+    # tensor-core rung says so
+    h20 = rng.standard_normal((2, 33, 20)).astype(np.float16)
     with pytest.raises(ValueError, match="tensor-core kernel runs"):
-        fs.gpu.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
-                         kernel="tc")
+        fs.gpu.attention(h20, h20, h20, kernel="tc")
     h = rng.standard_normal((1, 2, 40, 64)).astype(np.float16)
     assert fs.gpu.block_sizes(h, h) == fs.kernels.default_block_sizes(
         64, 64, "float16", fs.gpu.smem_limit(), False)   # "auto" is the reference rung
@@ -412,3 +413,26 @@ def test_a_divergent_warp_collective_is_reported():
     out = np.zeros(32, np.float32)
     with pytest.raises(RuntimeError, match="warp collective"):
         _warp_module().get_function("divergent")((1,), (32,), (out,))
+
+
+# head dims between the fast instances (64, 128) and dv ≠ d: the instance above runs
+# them, its columns past d and dv zeroed on chip and never stored; outputs to the dtype's
+# rule and byte counts of the real d and dv, forward and backward (both dQ modes)
+@pytest.mark.parametrize("d, dv, causal, Nq, Nk", [
+    (40, 40, False, 70, 130), (96, 96, True, 129, 200), (32, 72, False, 33, 65),
+    (112, 64, True, 150, 90), (8, 8, False, 17, 17), (128, 96, False, 64, 64)])
+def test_tensor_core_rung_runs_head_dims_below_its_instances(d, dv, causal, Nq, Nk):
+    rng = np.random.default_rng(d * 7 + dv)
+    rnd = fs.precision.make_precision("kernel", "float16").io_round
+    q = rnd(rng.standard_normal((1, 2, Nq, d))).astype(np.float64)
+    k = rnd(rng.standard_normal((1, 1, Nk, d))).astype(np.float64)
+    v = rnd(rng.standard_normal((1, 1, Nk, dv))).astype(np.float64)
+    h = q.astype(np.float16)
+    D = fs.kernels.head_dim_instance(d, dv)
+    assert fs.gpu.block_sizes(h, v.astype(np.float16), kernel="tc") == fs.kernels.tc_blocks(
+        D, 9, variant=D > min(d, dv))
+    with pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_forward(q, k, v, "float16", causal, None, kernel="tc")
+        G.check_backward(q, k, v, "float16", causal, None, kernel="tc")
+        G.check_backward(q, k, v, "float16", causal, None, kernel="tc", deterministic=True)

@@ -29,7 +29,7 @@ def host(x):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_values_and_gradients_by_the_rule(dtype, d, causal):
     import flashsim.torch as fst
@@ -146,6 +146,26 @@ def test_flash_attn_with_kvcache_on_the_device(paged):
             row = int(lens[b]) + r
             page, at = (int(table[b, row // P]), row % P) if paged else (b, row)
             assert torch.equal(kd[page, at].cpu(), kn[b, r]) and torch.equal(vd[page, at].cpu(), vn[b, r])
+
+
+@pytest.mark.parametrize("d", [40, 96])
+def test_fast_path_below_an_instance_gives_the_general_paths_bits(d):
+    """PyTorch's fast path at a head dim between the instances (the one above, its VAR
+    instance) gives the general path's bits: out and lse; dk and dv (summed in
+    registers), dq to fp32 atomics' order."""
+    import cupy as cp
+    q, k, v = tensors(2, 4, 4, 300, 257, d, torch.float16)
+    out, lse = fs.gpu.attention(q, k, v, causal=True)            # the fast path
+    assert any(key[0] == tuple(q.shape) for key in fs.gpu.flash2._PLANS)
+    qc, kc, vc = (cp.from_dlpack(x) for x in (q, k, v))
+    out2, lse2 = fs.gpu.attention(qc, kc, vc, causal=True, window=(-1, 0))   # general path
+    assert torch.equal(out, torch.from_dlpack(out2)) and torch.equal(lse, torch.from_dlpack(lse2))
+    dout = torch.randn_like(out)
+    dq, dk, dv = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True)
+    dq2, dk2, dv2 = fs.gpu.attention_backward(qc, kc, vc, out2, lse2, cp.from_dlpack(dout),
+                                              causal=True, window=(-1, 0))
+    assert torch.equal(dk, torch.from_dlpack(dk2)) and torch.equal(dv, torch.from_dlpack(dv2))
+    torch.testing.assert_close(dq, torch.from_dlpack(dq2), rtol=2e-3, atol=2e-3)
 
 
 def test_strided_layouts_are_read_without_copies():

@@ -25,24 +25,29 @@ LOG2E = math.log2(math.e)
 def _wg_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
     """The Hopper forward (or backward) runs these inputs on the current device (compute
     capability 9.0: its sm_90a code runs on no other)."""
-    if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.WG_HEAD_DIMS):
+    if not (dtype in K.TC_DTYPES and K.head_dim_instance(shape.d, shape.dv, K.WG_HEAD_DIMS)):
         return False
     device = dev.cupy().cuda.Device().id
     return K.wg_supports(shape.d, shape.dv, dtype, dev.cc(device), dev.smem_limit_on(device),
                          block_sizes, backward)
 
 
-def _tc_tiles(d: int, backward: bool, var: bool = False) -> tuple[int, int]:
-    """The tensor-core kernel's (Br, Bc) for head dim d on the current device (``var``:
-    its softcap/ALiBi instance)."""
+def _tc_tiles(D: int, backward: bool, var: bool = False) -> tuple[int, int]:
+    """The tensor-core kernel's (Br, Bc) for its instance of head dim D on the current
+    device (``var``: its softcap/ALiBi instance)."""
     if backward:
-        return K.tc_bwd_blocks(d, dev.cc_major(dev.cupy().cuda.Device().id))
-    return K.tc_blocks(d, dev.cc_major(dev.cupy().cuda.Device().id), var)
+        return K.tc_bwd_blocks(D, dev.cc_major(dev.cupy().cuda.Device().id))
+    return K.tc_blocks(D, dev.cc_major(dev.cupy().cuda.Device().id), var)
+
+
+def _instance(shape: Shape) -> int | None:
+    """D of the fast rungs' instance for these head dims (kernels.head_dim_instance)."""
+    return K.head_dim_instance(shape.d, shape.dv)
 
 
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False,
                  var: bool = False) -> bool:
-    if not (dtype in K.TC_DTYPES and shape.d == shape.dv and shape.d in K.TC_HEAD_DIMS):
+    if not (dtype in K.TC_DTYPES and _instance(shape)):
         return False
     # the tiles must fit the device's shared memory (not so on GPUs with 99 KB per block)
     device = dev.cupy().cuda.Device().id
@@ -74,8 +79,8 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
         return "wg"
     if kernel == "wg":
         raise ValueError(
-            f"the Hopper kernel runs float16/bfloat16 with d = dv in {K.WG_HEAD_DIMS} and "
-            f"its own tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on a device of "
+            f"the Hopper kernel runs float16/bfloat16 with d and dv multiples of 8 up to "
+            f"{max(K.WG_HEAD_DIMS)} and its own tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on a device of "
             f"compute capability 9.0 (this one: "
             f"{dev.cc(dev.cupy().cuda.Device().id) / 10:.1f}); got {dtype}, d={shape.d}, "
             f"dv={shape.dv}, block_sizes={block_sizes}. Use kernel='tc', 'ref' or 'auto'.")
@@ -83,14 +88,15 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
         return "tc"
     if kernel == "tc":
         raise ValueError(
-            f"the tensor-core kernel runs float16/bfloat16 with d = dv in {K.TC_HEAD_DIMS} "
-            f"and its own tiles (fs.gpu.block_sizes(q, v, kernel='tc')), which must fit "
+            f"the tensor-core kernel runs float16/bfloat16 with d and dv multiples of 8 up "
+            f"to {max(K.TC_HEAD_DIMS)} and its own tiles (fs.gpu.block_sizes(q, v, kernel='tc')), which must fit "
             f"the device's shared memory ({dev.smem_limit()} bytes here); got {dtype}, "
             f"d={shape.d}, dv={shape.dv}, "
             f"block_sizes={block_sizes}. Use kernel='ref' or 'auto'.")
     if block_sizes is None:
-        _warn_reference(dtype, f"d={shape.d}, dv={shape.dv} (the fast rungs take d = dv in "
-                               f"{K.TC_HEAD_DIMS} with tiles that fit the device)")
+        _warn_reference(dtype, f"d={shape.d}, dv={shape.dv} (the fast rungs take d and dv "
+                               f"multiples of 8 up to {max(K.TC_HEAD_DIMS)}, with tiles "
+                               f"that fit the device)")
     return "ref"
 
 
@@ -169,10 +175,11 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
     var = varlen or softcap is not None or alibi_slopes is not None
     which = _choose(kernel, shape, qi.dtype, None, backward,
                     variant=_asked(window, softcap, alibi_slopes), var=var)
+    D = _instance(shape)
     if which == "wg":
-        return K.wg_blocks(shape.d, backward)
+        return K.wg_blocks(D, backward)
     if which == "tc":
-        return _tc_tiles(shape.d, backward, var)
+        return _tc_tiles(D, backward, var or (not backward and K.padded(shape.d, shape.dv)))
     return _blocks(None, shape, qi.dtype, backward)
 
 
@@ -185,9 +192,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
-    float16/bfloat16, d = dv ∈ {64, 128}, tiles 128×128, 128×64 at d = 64), "tc" the
-    tensor-core kernel (mma.sync, Ampere and later; float16/bfloat16, d = dv ∈ {64, 128},
-    tiles 128×128 at d = 64 on sm_90, else 128×64), "ref" the reference kernel (any
+    float16/bfloat16, d and dv multiples of 8 up to 128, run by the instance of D = 64 or
+    128 above them; tiles 128×128, 128×64 at D = 64), "tc" the tensor-core kernel
+    (mma.sync, Ampere and later; float16/bfloat16, d and dv as for "wg",
+    tiles 128×128 at D = 64 on sm_90, else 128×64), "ref" the reference kernel (any
     dtype, d, dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref"
     that supports the inputs on this device, with tiles that fit its shared memory.
 
@@ -240,8 +248,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     cols = {arrays.AT_Q: (qi.arr, "q"), arrays.AT_K: (ki.arr, "k"),
             arrays.AT_V: (vi.arr, "k"), arrays.AT_O: (O, "q")}
     at, ld = arrays.rows(cp, shape, cols)
-    rows = (qi.arr, ki.arr, vi.arr, at, O, L, np.int32(Nq), np.int32(shape.Nk),
-            *(ld[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O)))
+    rows = (qi.arr, ki.arr, vi.arr, at, O, L, np.int32(Nq), np.int32(shape.Nk))
+    lds = tuple(ld[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O))
     io = dev.counters(cp, count_io)
     i32 = np.int32
     ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld) if which == "wg" else None
@@ -251,16 +259,19 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
            dev.pointer(vi.arr), at.data.ptr, dev.pointer(O), dev.pointer(L),
            tail=(Nq, shape.Nk, int(ld[arrays.AT_O]), left, right, scale * LOG2E, float(k_in),
                  float(k_out), 0 if isinstance(sl, np.uint64) else sl.data.ptr, io.data.ptr))
-    elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, ld…, band, scale)
+    elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, d, dv, ld…,
+        D = _instance(shape)     # band, scale); head dims below D in the VAR instance
+        var = var or K.padded(shape.d, shape.dv)
         if which == "wg":
-            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[shape.d]
+            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         else:
-            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(shape.d, False, var)
-        threads = K.threads(name, shape.d, dev.cc(cp.cuda.Device().id))
-        smem = K.smem_bytes(name, Br, Bc, shape.d, shape.dv, dtype)
-        dev.launch(cp, dev.kernel(name, dtype, count_io, shape.d, var),
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, var)
+        threads = K.threads(name, D, dev.cc(cp.cuda.Device().id))
+        smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
+        dev.launch(cp, dev.kernel(name, dtype, count_io, D, var),
                    K.grid(name, Nq, shape.Nk, Br, Bc, P), smem,
-                   (*rows, i32(left), i32(right), np.float32(scale * LOG2E),
+                   (*rows, *lds, i32(shape.d), i32(shape.dv), i32(left), i32(right),
+                    np.float32(scale * LOG2E),
                     *_fast_variants(cp, scale, softcap, slopes), np.uint64(0), io),
                    threads=threads)
     else:
@@ -268,7 +279,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
         smem = K.smem_bytes("flash2_fwd", Br, Bc, shape.d, shape.dv, dtype)
         dev.launch(cp, dev.kernel("flash2_fwd", dtype, count_io),
                 K.grid("flash2_fwd", Nq, shape.Nk, Br, Bc, P), smem,
-                (*rows, i32(shape.d), i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
+                (*rows, *lds, i32(shape.d), i32(shape.dv), i32(Br), i32(Bc), i32(left), i32(right),
                  dev.scalar(dtype, scale), cap, slopes, np.uint64(0), io))
     out = arrays.out(cp, O, dtype, qi.torch)
     lse = arrays.out(cp, L.reshape(shape.batch_shape + (Nq,)), "float32", qi.torch)
@@ -284,7 +295,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
     `attention`: the Hopper main loop ("wg": warpgroup MMAs, compute capability 9.0), the
-    tensor-core one ("tc"; both float16/bfloat16, d = dv ∈ {64, 128}, tiles
+    tensor-core one ("tc"; both float16/bfloat16, d and dv multiples of 8 up to 128, tiles
     `block_sizes(q, v, backward=True)`) or the reference ("ref").
 
     dQ is summed over the K/V tiles with fp32 atomics, whose order varies from run to
@@ -349,16 +360,18 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
                                                       softcap, alibi_slopes)
     which = _choose(kernel, shape, dtype, block_sizes, backward=True, variant=variant)
-    var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
+    # the fast rungs' VAR instance: softcap, ALiBi, and head dims below the instance's D
+    var = softcap is not None or alibi_slopes is not None or K.padded(shape.d, shape.dv)
+    D = _instance(shape)         # the fast rungs' instance (head dims below it: predicated)
     if which == "wg":
-        Br, Bc = K.wg_blocks(shape.d, True)
+        Br, Bc = K.wg_blocks(D, True)
     elif which == "tc":
-        Br, Bc = _tc_tiles(shape.d, True)
+        Br, Bc = _tc_tiles(D, True)
     else:
         Br, Bc = _blocks(block_sizes, shape, dtype, backward=True)
     P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv
     st = A.storage(cp, dtype)
-    D = A.empty(cp, (P, Nq), cp.float32)
+    Dr = A.empty(cp, (P, Nq), cp.float32)   # D_i = rowsum(dO_i ∘ O_i)
     dQacc = A.empty(cp, (P, Nq, d), cp.float32)
     # the gradients go straight into outputs laid out like q, k, v, unless a GQA group or
     # a broadcast axis must be summed first: then into per-problem scratch (reduce)
@@ -378,29 +391,31 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     # one turn counter per (problem, Q tile of Br rows); a null pointer: unordered atomics
     sem = cp.zeros(P * Tr, dtype=cp.int32) if deterministic else np.uint64(0)
     cc = dev.cc(cp.cuda.Device().id)
-    pre = (oi.arr, doi.arr, at, D, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO])
-    main = (qi.arr, ki.arr, vi.arr, at, doi.arr, L, D, dQacc, dK, dV, i32(Nq), i32(Nk),
-            *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK, A.AT_dV)))
+    lds = tuple(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK, A.AT_dV))
+    main = (qi.arr, ki.arr, vi.arr, at, doi.arr, L, Dr, dQacc, dK, dV, i32(Nq), i32(Nk))
 
     def grid(name):
         return K.grid(name, Nq, Nk, Br, Bc, P)
 
     if which in ("tc", "wg"):      # the same pre-pass; main loops of one signature
         name = "flash2_bwd_preprocess_tc"
-        dev.launch(cp, dev.kernel(name, dtype, count_io, d), grid(name), 0, (*pre, io),
-                   threads=K.threads(name, d, cc))
+        dev.launch(cp, dev.kernel(name, dtype, count_io, D), grid(name), 0,
+                   (oi.arr, doi.arr, at, Dr, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO], i32(d),
+                    i32(dv), io), threads=K.threads(name, D, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
-        smem = K.smem_bytes(name, Br, Bc, d, dv, dtype)
-        dev.launch(cp, dev.kernel(name, dtype, count_io, d, var), grid(name), smem,
-                   (*main, i32(left), i32(right), np.float32(scale),
+        smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
+        dev.launch(cp, dev.kernel(name, dtype, count_io, D, var), grid(name), smem,
+                   (*main, *lds, i32(d), i32(dv), i32(left), i32(right), np.float32(scale),
                     *_fast_variants(cp, scale, softcap, slopes), sem, np.uint64(0), io),
-                   threads=K.threads(name, d, cc))
+                   threads=K.threads(name, D, cc))
     else:
         dev.launch(cp, dev.kernel("flash2_bwd_preprocess", dtype, count_io),
-                   grid("flash2_bwd_preprocess"), 0, (*pre, i32(d), i32(dv), i32(Br), io))
+                   grid("flash2_bwd_preprocess"), 0,
+                   (oi.arr, doi.arr, at, Dr, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO], i32(d),
+                    i32(dv), i32(Br), io))
         smem = K.smem_bytes("flash2_bwd_main", Br, Bc, d, dv, dtype)
         dev.launch(cp, dev.kernel("flash2_bwd_main", dtype, count_io), grid("flash2_bwd_main"),
-                   smem, (*main, i32(d), i32(dv), i32(Br), i32(Bc), i32(left), i32(right),
+                   smem, (*main, *lds, i32(d), i32(dv), i32(Br), i32(Bc), i32(left), i32(right),
                           dev.scalar(dtype, scale), cap, slopes, sem, np.uint64(0), io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", dtype, count_io),
                grid("flash2_bwd_postprocess"), 0,
@@ -518,7 +533,8 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
     d = shape.d
-    if d not in K.WS_HEAD_DIMS or os.environ.get("FLASHSIM_TMA", "1") == "0":
+    if (d not in K.WS_HEAD_DIMS or shape.dv != d
+            or os.environ.get("FLASHSIM_TMA", "1") == "0"):
         return None
     Br, Bc = K.WG_BLOCKS[d]
     three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
@@ -591,8 +607,8 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         return False
     B, H, Nq, d = q.shape
     Bk, Hk, Nk, dk = k.shape
-    if (Bk != B or dk != d or tuple(v.shape) != (B, Hk, Nk, d) or d not in K.TC_HEAD_DIMS
-            or Hk == 0 or H % Hk or min(B, H, Nq, Nk) == 0 or B * H > dev.GRID_Y_MAX):
+    if (Bk != B or dk != d or tuple(v.shape) != (B, Hk, Nk, d)
+            or K.head_dim_instance(d, d) is None or Hk == 0 or H % Hk or min(B, H, Nq, Nk) == 0 or B * H > dev.GRID_Y_MAX):
         return False
     cp = dev.cupy()
     dtype = dtypes[q.dtype]
@@ -602,14 +618,16 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         if views is None:
             return False                                # the general path copies
         shape = Shape(Nq, Nk, d, d, (B, H), (B, H), (B, Hk), H // Hk)
+        # the instance of head dim D ≥ d; below it, its VAR instance (kernels.padded)
+        D, pad = K.head_dim_instance(d, d), K.padded(d, d)
         if kernel != "tc" and _wg_supports(shape, dtype, None):   # Hopper: warpgroup MMAs
-            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[d]
+            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         elif kernel == "wg":
             return False                                # the general path says why not
         else:
-            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(d, False)
-        threads = K.threads(name, d, dev.cc(q.device.index))
-        smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, pad)
+        threads = K.threads(name, D, dev.cc(q.device.index))
+        smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
         if smem > dev.smem_limit():
             return False                                # the general path picks "ref"
         # the row table: query problem (b, h) reads K/V problem (b, h // (H / Hk)), each
@@ -621,9 +639,10 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         plan.left, plan.right = arrays.band(causal)
         plan.scale = check_scale(scale, d)
         plan.io = dev.unused_counters(q.device.index).data.ptr
-        # (Q, K, V, at, O, L | Nq, Nk, ldq, ldk, ldv, ldo, left, right, scale·log2e, k_in,
-        #  k_out, slopes, vl, io): the plain instance, which reads none of the variants'
-        #  three nor vl
+        # (Q, K, V, at, O, L | Nq, Nk, ldq, ldk, ldv, ldo, d, dv, left, right, scale·log2e,
+        #  k_in, k_out, slopes, vl, io): the plain instance (d = dv = its D), which reads
+        #  none of the variants' three nor vl; below D the VAR one, whose k_in is then
+        #  scale·log2e (no softcap, no slopes)
         ws = None
         if name == "flash2_fwd_wg":      # fed by the copy engine where TMA addresses them
             ws = _ws_forward(cp, shape, dtype, False, False,
@@ -634,11 +653,12 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
                         plan.scale * LOG2E, 0.0, 0.0, 0, plan.io)
             plan.fwd = ws
         else:
-            plan.fwd = _Launcher(dev.kernel(name, dtype, False, d), "6Q8ifff4xQQQ",
+            k_in = plan.scale * LOG2E if pad else 0.0
+            plan.fwd = _Launcher(dev.kernel(name, dtype, False, D, pad), "6Q10ifff4xQQQ",
                                  K.grid(name, Nq, Nk, Br, Bc, B * H), threads, smem,
                                  (Nq, Nk, *(int(ld[t]) for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_O)),
-                                  plan.left, plan.right, plan.scale * LOG2E, 0.0, 0.0, 0, 0,
-                                  plan.io))
+                                  d, d, plan.left, plan.right, plan.scale * LOG2E, k_in, 0.0, 0,
+                                  0, plan.io))
         plan.lse_shape = (B, H, Nq)
         plan.cp = cp
         plan.bwd = {}                                   # per (out, dout) strides: made by
@@ -699,14 +719,15 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
     P, dtype = B * H, ("float16" if q.dtype == torch.float16 else "bfloat16")
     cp = plan.cp
     A = arrays
+    D, pad = K.head_dim_instance(d, d), K.padded(d, d)   # as the forward plan's
     with cp.cuda.Device(q.device.index):
         if kernel != "tc" and _wg_supports(plan.shape, dtype, None, backward=True):
-            name, (Br, Bc) = "flash2_bwd_wg", K.wg_blocks(d, True)
+            name, (Br, Bc) = "flash2_bwd_wg", K.wg_blocks(D, True)
         elif kernel == "wg":
             return False         # the general path says why
         else:
-            name, (Br, Bc) = "flash2_bwd_tc", _tc_tiles(d, True)
-        smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
+            name, (Br, Bc) = "flash2_bwd_tc", _tc_tiles(D, True)
+        smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
         views = _views(cp, dtype, q, k, v, out, dout, torch.empty_like(q), torch.empty_like(k),
                        torch.empty_like(v))
         if smem > dev.smem_limit() or views is None:
@@ -717,18 +738,20 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
             A.AT_dK: (views[6], "k"), A.AT_dV: (views[7], "k")})
         ld = [int(x) for x in ld]
         cc = dev.cc(q.device.index)
-        # (O, dO, at, D, dQacc | Nq, ldo, lddo, io)
-        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, d), "5Q3i4xQ",
+        # (O, dO, at, D, dQacc | Nq, ldo, lddo, d, dv, io)
+        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, D), "5Q5i4xQ",
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
-                        K.threads("flash2_bwd_preprocess_tc", d, cc), 0,
-                        (Nq, ld[A.AT_O], ld[A.AT_dO], plan.io))
+                        K.threads("flash2_bwd_preprocess_tc", D, cc), 0,
+                        (Nq, ld[A.AT_O], ld[A.AT_dO], d, d, plan.io))
         # (Q, K, V, at, dO, L, D, dQacc, dK, dV | Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv,
-        #  left, right, scale, k_in, k_out, slopes, sem, vl, io)
-        main = _Launcher(dev.kernel(name, dtype, False, d), "10Q10ifff4xQQQQ",
-                         K.grid(name, Nq, Nk, Br, Bc, P), K.threads(name, d, cc), smem,
+        #  d, dv, left, right, scale, k_in, k_out, slopes, sem, vl, io)
+        # (below D the VAR instance: k_in = scale·log2e, no softcap, no slopes)
+        main = _Launcher(dev.kernel(name, dtype, False, D, pad), "10Q12ifff4xQQQQ",
+                         K.grid(name, Nq, Nk, Br, Bc, P), K.threads(name, D, cc), smem,
                          (Nq, Nk, *(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK,
                                                     A.AT_dV)),
-                          plan.left, plan.right, plan.scale, 0.0, 0.0, 0, 0, 0, plan.io))
+                          d, d, plan.left, plan.right, plan.scale,
+                          plan.scale * LOG2E if pad else 0.0, 0.0, 0, 0, 0, plan.io))
         # (dQacc, dQ, at | Nq, lddq, d, Br, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q4iQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),

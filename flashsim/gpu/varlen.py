@@ -182,16 +182,17 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     io = dev.counters(cp, count_io)
     i32 = np.int32
     if which in ("tc", "wg"):
+        D = K.head_dim_instance(bt.d, bt.dv)   # (its varlen instance takes any d, dv ≤ D)
         if which == "wg":
-            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[bt.d]
+            name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         else:
-            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(bt.d, False, True)
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, True)
         vl, ctas, _ = bt.table(Br, Bc, "q")
-        smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
-        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
-                   smem, (*rows, i32(bt.left), i32(bt.right), np.float32(bt.scale * LOG2E),
-                          *bt.fast(cp), vl, io),
-                   threads=K.threads(name, bt.d, dev.cc(cp.cuda.Device().id)))
+        smem = K.smem_bytes(name, Br, Bc, D, D, bt.dtype)
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, D, True, True), (ctas, bt.Hq),
+                   smem, (*rows, i32(bt.d), i32(bt.dv), i32(bt.left), i32(bt.right),
+                          np.float32(bt.scale * LOG2E), *bt.fast(cp), vl, io),
+                   threads=K.threads(name, D, dev.cc(cp.cuda.Device().id)))
     else:
         Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=False)
         vl, ctas, _ = bt.table(Br, Bc, "q")
@@ -248,10 +249,11 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          f"{tuple(L.shape)}")
     L = cp.ascontiguousarray(L.astype(cp.float32, copy=False))
     which = bt.rung(block_sizes, backward=True)
+    Dh = K.head_dim_instance(bt.d, bt.dv)     # the fast rungs' instance
     if which == "wg":
-        Br, Bc = K.wg_blocks(bt.d, True)
+        Br, Bc = K.wg_blocks(Dh, True)
     elif which == "tc":
-        Br, Bc = _tc_tiles(bt.d, True)
+        Br, Bc = _tc_tiles(Dh, True)
     else:
         Br, Bc = _blocks(block_sizes, bt.shape, bt.dtype, backward=True)
     vl, ctas, q_tiles = bt.table(Br, Bc, "kv")
@@ -288,15 +290,15 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     rows = (-(-bt.Tq // Br), bt.Hq)
     if which in ("tc", "wg"):
         name = "flash2_bwd_preprocess_tc"
-        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d),
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dh),
                    K.grid(name, bt.Tq, bt.Tk, Br, Bc, bt.Hq), 0,
-                   (*pre, io), threads=K.threads(name, bt.d, cc))
+                   (*pre, i32(bt.d), i32(bt.dv), io), threads=K.threads(name, Dh, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
-        smem = K.smem_bytes(name, Br, Bc, bt.d, bt.dv, bt.dtype)
-        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, bt.d, True, True), (ctas, bt.Hq),
-                   smem, (*main, i32(bt.left), i32(bt.right), np.float32(bt.scale),
-                          *bt.fast(cp), sem, vl, io),
-                   threads=K.threads(name, bt.d, cc))
+        smem = K.smem_bytes(name, Br, Bc, Dh, Dh, bt.dtype)
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dh, True, True), (ctas, bt.Hq),
+                   smem, (*main, i32(bt.d), i32(bt.dv), i32(bt.left), i32(bt.right),
+                          np.float32(bt.scale), *bt.fast(cp), sem, vl, io),
+                   threads=K.threads(name, Dh, cc))
     else:
         dev.launch(cp, dev.kernel("flash2_bwd_preprocess", bt.dtype, count_io), rows, 0,
                    (*pre, i32(bt.d), i32(bt.dv), i32(Br), io))
