@@ -48,19 +48,22 @@ ARCH_SPECIFIC = {"flash2_wg.cu": "sm_90a", "flash2_ws.cu": "sm_90a"}
 # tiles TC_BLOCKS; head dims d, dv ≤ D (multiples of 8) run on the instance above them
 # (head_dim_instance).
 TC_DTYPES = ("float16", "bfloat16")
-TC_HEAD_DIMS = (64, 128)
+TC_HEAD_DIMS = (64, 128, 256)
 # forward (Br, Bc) per head dim: 4 warps of two 16-row m-tiles (kernels_cu/NOTES.md); on
-# Ampere (sm_8x) d = 128 runs the same tile as 8 warps of one m-tile (fewer registers)
-TC_BLOCKS = {64: (128, 128), 128: (128, 64)}
-TC_BLOCKS_AMPERE = {64: (128, 64), 128: (128, 64)}   # 128 keys at d = 64 spill on sm_80
+# Ampere (sm_8x) d = 128 runs the same tile as 8 warps of one m-tile (fewer registers);
+# d = 256: 4 warps of one m-tile (O alone takes 128 registers per thread)
+TC_BLOCKS = {64: (128, 128), 128: (128, 64), 256: (64, 64)}
+TC_BLOCKS_AMPERE = {64: (128, 64), 128: (128, 64), 256: (64, 64)}   # 128 keys at d = 64 spill on sm_80
 # the softcap/ALiBi instance (VAR) on sm_90: 64 keys at d = 64 too (128 spill there)
-TC_BLOCKS_VAR = {64: (128, 64), 128: (128, 64)}
-TC_THREADS = {64: 128, 128: 128}
-TC_THREADS_AMPERE = {64: 128, 128: 256}
+TC_BLOCKS_VAR = {64: (128, 64), 128: (128, 64), 256: (64, 64)}
+TC_THREADS = {64: 128, 128: 128, 256: 128}
+TC_THREADS_AMPERE = {64: 128, 128: 256, 256: 128}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps; on Ampere
-# the steps are half as long (d = 128: registers; d = 64: an A100's shared memory)
-TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
-TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128)}
+# the steps are half as long (d = 128: registers; d = 64: an A100's shared memory);
+# d = 256: 64 keys (one 16-key m-tile per warp: dK_j, dV_j take 128 registers) in steps
+# of 32 queries (64 spilled in the varlen instances)
+TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128), 256: (32, 64)}
+TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128), 256: (32, 64)}
 
 
 def head_dim_instance(d: int, dv: int, dims=TC_HEAD_DIMS) -> int | None:
@@ -358,8 +361,10 @@ def instances(source: str | None = None) -> list[Instance]:
                     for D in SPLITKV_HEAD_DIMS:
                         out.append(_splitkv_instance(k, dt, D))
             elif src in ("flash2_tc.cu", "flash2_wg.cu", "flash2_ws.cu"):
+                dims = {"flash2_tc.cu": TC_HEAD_DIMS, "flash2_wg.cu": WG_HEAD_DIMS,
+                        "flash2_ws.cu": WS_HEAD_DIMS}[src]
                 for dt in TC_DTYPES:
-                    for D in (WS_HEAD_DIMS if src == "flash2_ws.cu" else TC_HEAD_DIMS):
+                    for D in dims:
                         T, mT = CUDA_TYPES[dt], _MANGLED_T[dt]
                         if k not in VARIANT_KERNELS:
                             out.append(Instance(src, k, dt, D, f"{k}<{T}, {D}>",

@@ -70,14 +70,15 @@ template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_
 #ifndef FLASHSIM_TC_MT
 #define FLASHSIM_TC_MT 0
 #endif
-template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (ampere128<D>() ? 1 : 2); }
+// (D = 256: one, Br = 64: O alone takes 128 registers)
+template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (ampere128<D>() || D == 256 ? 1 : 2); }
 // Q_i's A fragments held in registers for the whole loop (1), or read from shared memory
 // with ldmatrix at every k-step (0), which frees D/4·MT registers for a second m-tile
 // at D = 128; the macro overrides it for tuning (-1 = the default)
 #ifndef FLASHSIM_TC_QREG
 #define FLASHSIM_TC_QREG -1
 #endif
-template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : FLASHSIM_TC_AMPERE; }
+template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : FLASHSIM_TC_AMPERE && D < 256; }
 // where the next K/V tile's loads are issued: at the top of the iteration, before the
 // barrier (0), or after the softmax, when S's registers are free and one barrier per
 // iteration suffices (1, shipped: +8% at D = 128, +1% at D = 64); -1 = the default
@@ -294,6 +295,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             for (int t = 0; t < Bc / 8; ++t) s[mi][t][0] = s[mi][t][1] = s[mi][t][2] = s[mi][t][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            if (VAR && kk * 16 >= d) break;          // (VAR, below D: K's columns past d are 0)
             unsigned qs[QREG ? 1 : MT][4];
             if constexpr (!QREG) {
 #pragma unroll
@@ -462,17 +464,21 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 namespace tcb {
 // query rows per step. dK_j, dV_j take D/2 registers per thread, Sᵀ and dPᵀ BrB/2: 128
 // queries at D = 64, 64 at D = 128 (32 on Ampere at D = 128, where ptxas spills at 64;
-// 64 on Ampere at D = 64, where 128 needs more shared memory than an A100 has). The
-// macro overrides it for tuning.
+// 64 on Ampere at D = 64, where 128 needs more shared memory than an A100 has); 32 at
+// D = 256 (64 spilled in the varlen instances on sm_90, and needs 210 KB of shared
+// memory). The macro overrides it for tuning.
 #ifndef FLASHSIM_TCB_BRB
 #define FLASHSIM_TCB_BRB 0
 #endif
 template <int D> __host__ __device__ constexpr int brb() {
-    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (FLASHSIM_TC_AMPERE ? (D == 128 ? 32 : 64) : (D == 64 ? 128 : 64));
+    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (FLASHSIM_TC_AMPERE || D == 256 ? (D >= 128 ? 32 : 64) : (D == 64 ? 128 : 64));
 }
-// 8 warps, 32 keys each in products 1 and 2: Bc = 128 keys per CTA halves the dQ atomics
-// against Bc = 64
-constexpr int WARPS = 8, Bc = 128, THREADS = 32 * WARPS;
+// 8 warps, in products 1 and 2 four groups of KM m-tiles of 16 keys: KM = 2 (Bc = 128
+// keys per CTA, half the dQ atomics of Bc = 64), or 1 at D = 256, where dK_j and dV_j of
+// 32 keys would take 256 registers
+constexpr int WARPS = 8, THREADS = 32 * WARPS;
+template <int D> __host__ __device__ constexpr int km() { return D == 256 ? 1 : 2; }
+template <int D> __host__ __device__ constexpr int bc() { return 4 * 16 * km<D>(); }
 }  // namespace tcb
 
 // The body of both backward kernels: DET = false adds into dQacc with unordered atomics
@@ -483,7 +489,8 @@ template <typename T, int D, bool DET, bool VAR, bool VL>
 __device__ __forceinline__ void
 bwd_tc(FLASHSIM_BWD_PARAMS) {
     using namespace tc;
-    constexpr int Bc = tcb::Bc, BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
+    constexpr int Bc = tcb::bc<D>(), BrB = tcb::brb<D>(), THREADS = tcb::THREADS;
+    constexpr int KM = tcb::km<D>(), KW = 16 * KM;   // key m-tiles, keys per warp group
     constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
     constexpr int QN = BrB / 16;         // product 1: n-tiles of 8 queries per warp (BrB/2)
     constexpr int DN = D / 16;           // product 2: n-tiles of 8 columns per warp (D/2)
@@ -504,7 +511,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int wk = warp & 3, wh = warp >> 2;      // 32-key group; half (queries in 1, D in 2)
+    const int wk = warp & 3, wh = warp >> 2;      // KW-key group; half (queries in 1, D in 2)
     // deterministic mode adds into each Q step in decreasing j and so starts the highest
     // j first: the tile a CTA waits for was launched before it (no deadlock). Under a
     // causal mask, where tile j's first step is the diagonal, tile j + 1 reaches each
@@ -526,7 +533,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     // derivative 1 − tanh² (the scale is applied to dQ and dK at the end, as without)
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
-    const int k0 = wk * 32 + g;                   // this thread's keys: k0 + {0, 8, 16, 24}
+    const int k0 = wk * KW + g;                   // this thread's keys: k0 + {0, 8, 16, 24} (KM = 2)
     // per-thread bases of the ldmatrix addresses (swz_base, or plain for the padded Pᵀ
     // and dSᵀ). Offsets a warp adds at run time (its key group, its half) go into the
     // base once; swz_step(swz_step(b, k0), k) = swz_step(b, k0 + k) holds because k0 is a
@@ -536,9 +543,9 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     //   3: dSᵀ transposed, its queries (A); K_j transposed, its columns (B)
     // V_j, dO_i and dSᵀ sit a constant distance after K_j, Q_i and Pᵀ: their bases are
     // those plus an immediate.
-    const unsigned kabase = swz_base<D>(sK, wk * 32 + (lane & 15), lane >> 4);
+    const unsigned kabase = swz_base<D>(sK, wk * KW + (lane & 15), lane >> 4);
     const unsigned qbbase = swz_base<D>(sQ, wh * (BrB / 2) + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-    const unsigned pabase = smem_addr(sP + (wk * 32 + (lane & 15)) * SPS + ((lane >> 4) << 3));
+    const unsigned pabase = smem_addr(sP + (wk * KW + (lane & 15)) * SPS + ((lane >> 4) << 3));
     const unsigned qtbase = swz_step(swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), wh * (DN / 2));
     const int wq = warp % WQ, wd = warp / WQ;     // product 3: 32-query group, column group
     const unsigned dstbase = smem_addr(sdS + ((lane & 7) + ((lane >> 4) << 3)) * SPS + wq * 32 + (((lane >> 3) & 1) << 3));
@@ -546,9 +553,9 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2, DS_FROM_P = Bc * SPS * 2;   // bytes
     const bool ragged = cols < Bc;                // keys past Nk in this tile
 
-    float dv_acc[2][DN][4], dk_acc[2][DN][4];             // keys k0 + 16·mt (+8), columns wh·D/2 + 8t
+    float dv_acc[KM][DN][4], dk_acc[KM][DN][4];             // keys k0 + 16·mt (+8), columns wh·D/2 + 8t
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < KM; ++mt)
 #pragma unroll
         for (int t = 0; t < DN; ++t)
 #pragma unroll
@@ -603,11 +610,11 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         __syncthreads();
         if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
 
-        // 1. Sᵀ and dPᵀ: m = the warp's 32 keys (2 m-tiles), n = its BrB/2 queries, k = D
+        // 1. Sᵀ and dPᵀ: m = the warp's KW keys (KM m-tiles), n = its BrB/2 queries, k = D
         {
-            float s[2][QN][4], dp[2][QN][4];
+            float s[KM][QN][4], dp[KM][QN][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < KM; ++mt)
 #pragma unroll
                 for (int t = 0; t < QN; ++t)
 #pragma unroll
@@ -615,27 +622,27 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
             const unsigned qb = qbbase + buf * BrB * D * 2;
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned a[2][4];
+                unsigned a[KM][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2);
+                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2);
 #pragma unroll
                 for (int t = 0; t < QN; t += 2) {
                     unsigned b[4];
                     ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * D * 2);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
+                    for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(s[mt][t], a[mt], b);
                         mma16816<T>(s[mt][t + 1], a[mt], b + 2);
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2 + V_FROM_K);
+                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2 + V_FROM_K);
 #pragma unroll
                 for (int t = 0; t < QN; t += 2) {
                     unsigned b[4];
                     ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * D * 2 + DO_FROM_Q);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
+                    for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dp[mt][t], a[mt], b);
                         mma16816<T>(dp[mt][t + 1], a[mt], b + 2);
                     }
@@ -662,7 +669,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                 const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
+                for (int mt = 0; mt < KM; ++mt) {
                     float pv[4], dsv[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
@@ -689,33 +696,33 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         }
         __syncthreads();                                      // Pᵀ and dSᵀ are complete
 
-        // 2. dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i: m = the warp's 32 keys, n = its D/2
+        // 2. dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i: m = the warp's KW keys, n = its D/2
         //    columns, k = BrB queries (.trans: the rows of dO_i and Q_i are queries)
         {
             const unsigned qt = qtbase + buf * BrB * D * 2;
 #pragma unroll
             for (int kk = 0; kk < BrB / 16; ++kk) {
-                unsigned a[2][4];
+                unsigned a[KM][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2);
+                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2);
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
                     ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
+                    for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dv_acc[mt][t], a[mt], b);
                         mma16816<T>(dv_acc[mt][t + 1], a[mt], b + 2);
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2 + DS_FROM_P);
+                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], pabase + (mt * 16 * SPS + kk * 16) * 2 + DS_FROM_P);
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
                     ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
+                    for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dk_acc[mt][t], a[mt], b);
                         mma16816<T>(dk_acc[mt][t + 1], a[mt], b + 2);
                     }
@@ -777,7 +784,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
     T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < KM; ++mt) {
         const int r0 = k0 + mt * 16, r1 = r0 + 8;
 #pragma unroll
         for (int t = 0; t < DN; ++t) {

@@ -144,6 +144,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     auto issue_s = [&](unsigned kb) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            // the VAR instance (which runs head dims below D) stops at d: its columns past
+            // d are zeros (d ≥ 8: the first step, which sets S, always runs)
+            if (VAR && kk > 0 && kk * 16 >= d) break;
             const unsigned step = (kk & 3) << 5;     // 16 columns = 32 bytes into the block
             const unsigned long long da = desc(sQ + (kk >> 2) * (Br * 128) + grp * 64 * 128 + step, 16, 1024);
             const unsigned long long db = desc(kb + (kk >> 2) * (Bc * 128) + step, 16, 1024);

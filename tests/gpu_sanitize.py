@@ -42,7 +42,7 @@ def main(n_cases: int = 8) -> int:
     launches = fast_variants = 0
     for case in range(n_cases):
         Nq, Nk = (int(x) for x in rng.choice([1, 7, 33, 65, 130], 2))
-        d = int(rng.choice([3, 16, 40, 64, 96, 128]))
+        d = int(rng.choice([3, 16, 40, 64, 96, 128, 192]))
         dv = int(rng.choice([d, d, 24]))
         hk, g = int(rng.integers(1, 3)), int(rng.integers(1, 3))
         blocks = [None, (16, 32), (7, 5)][case % 3]

@@ -415,12 +415,13 @@ def test_a_divergent_warp_collective_is_reported():
         _warp_module().get_function("divergent")((1,), (32,), (out,))
 
 
-# head dims between the fast instances (64, 128) and dv ≠ d: the instance above runs
+# head dims between the fast instances (64, 128, 256) and dv ≠ d: the instance above runs
 # them, its columns past d and dv zeroed on chip and never stored; outputs to the dtype's
 # rule and byte counts of the real d and dv, forward and backward (both dQ modes)
 @pytest.mark.parametrize("d, dv, causal, Nq, Nk", [
     (40, 40, False, 70, 130), (96, 96, True, 129, 200), (32, 72, False, 33, 65),
-    (112, 64, True, 150, 90), (8, 8, False, 17, 17), (128, 96, False, 64, 64)])
+    (112, 64, True, 150, 90), (8, 8, False, 17, 17), (128, 96, False, 64, 64),
+    (256, 256, True, 80, 100), (192, 128, False, 70, 65), (200, 136, True, 33, 130)])
 def test_tensor_core_rung_runs_head_dims_below_its_instances(d, dv, causal, Nq, Nk):
     rng = np.random.default_rng(d * 7 + dv)
     rnd = fs.precision.make_precision("kernel", "float16").io_round
