@@ -267,7 +267,7 @@ def choose_kernel(launch: str, shape: Shape, dtype: str, hw: GPU, block_sizes=No
         return "wg"
     if launch == "wg":
         raise ValueError(f"the Hopper kernel runs float16/bfloat16, d and dv multiples of "
-                         f"8 up to {max(K.WG_HEAD_DIMS)}, tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on compute capability 9.0 "
+                         f"8 up to {max(K.WG_BWD_HEAD_DIMS if backward else K.WG_HEAD_DIMS)}, tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on compute capability 9.0 "
                          f"({hw.name} is {cc / 10:.1f}); got {dtype}, d={d}, dv={dv}, "
                          f"block_sizes={block_sizes}")
     if launch in ("auto", "tc") and K.tc_supports(d, dv, dtype, cc, limit, block_sizes, backward):

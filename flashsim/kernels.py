@@ -106,8 +106,10 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
 # The Hopper rung (flash2_wg.cu): warpgroup MMAs, 2 warpgroups. Forward: 64 query rows
 # each; at d = 64 two CTAs of 64-key tiles share an SM (kernels_cu/NOTES.md, v7).
 # Backward: 64 keys each (Bc = 128), steps of Br queries, the tiles of the tc backward
-WG_HEAD_DIMS = (64, 128)
-WG_BLOCKS = {64: (128, 64), 128: (128, 128)}
+WG_HEAD_DIMS = (64, 128, 256)
+WG_BWD_HEAD_DIMS = (64, 128)    # the backward's dK_j, dV_j of 64 keys do not fit at 256
+# (D = 256: 64 keys, S beside O's 128 registers; tc's backward runs it)
+WG_BLOCKS = {64: (128, 64), 128: (128, 128), 256: (128, 64)}
 WG_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
@@ -167,7 +169,7 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
     """The Hopper forward (or backward) runs these inputs on a device of compute
     capability ``cc`` (its sm_90a code runs on 9.0 alone) whose CTAs may opt in to
     ``smem_limit`` bytes."""
-    D = head_dim_instance(d, dv, WG_HEAD_DIMS)
+    D = head_dim_instance(d, dv, WG_BWD_HEAD_DIMS if backward else WG_HEAD_DIMS)
     if not (dtype in TC_DTYPES and D is not None and cc == WG_COMPUTE_CAPABILITY):
         return False
     tiles = wg_blocks(D, backward)
@@ -280,17 +282,19 @@ def threads(kernel: str, d: int, cc: int) -> int:
 # they give against every instance's own count.
 REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
-              "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255},
-              "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": 255, "flash2_bwd_tc_det": 255,
-              "flash2_fwd_wg": {64: 128, 128: 231}, "flash2_bwd_wg": {64: 250, 128: 234},
+              "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255, 256: 255},
+              "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 256: 249},
+              "flash2_bwd_tc_det": {64: 255, 128: 255, 256: 243},
+              "flash2_fwd_wg": {64: 128, 128: 242, 256: 230},
+              "flash2_bwd_wg": {64: 250, 128: 234},
               "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
-              "flash2_bwd_postprocess": 22, "flash2_fwd_tc": {64: 255, 128: 192},
-              "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": {64: 230, 128: 248},
-              "flash2_bwd_tc_det": {64: 225, 128: 243}, "kvcache_append": 34,
+              "flash2_bwd_postprocess": 22, "flash2_fwd_tc": {64: 255, 128: 191, 256: 254},
+              "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": {64: 227, 128: 245, 256: 253},
+              "flash2_bwd_tc_det": {64: 222, 128: 244, 256: 244}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 143, 128: 187},
               "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
 }
@@ -363,6 +367,8 @@ def instances(source: str | None = None) -> list[Instance]:
             elif src in ("flash2_tc.cu", "flash2_wg.cu", "flash2_ws.cu"):
                 dims = {"flash2_tc.cu": TC_HEAD_DIMS, "flash2_wg.cu": WG_HEAD_DIMS,
                         "flash2_ws.cu": WS_HEAD_DIMS}[src]
+                if k.startswith("flash2_bwd_wg"):
+                    dims = WG_BWD_HEAD_DIMS
                 for dt in TC_DTYPES:
                     for D in dims:
                         T, mT = CUDA_TYPES[dt], _MANGLED_T[dt]

@@ -50,7 +50,8 @@ namespace wg {
 #define FLASHSIM_WG_MINB 0
 #endif
 constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS;
-template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 64 ? 64 : 128); }
+// (D = 256: 64 keys, so that S (32 registers) fits beside O (128))
+template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 128 ? 128 : 64); }
 template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D == 64 ? 2 : 1); }
 
 // rows [0, valid) of a ROWS × D tile (global: rows ld elements apart, `width` ≤ D
@@ -89,7 +90,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     constexpr int Bc = bc<D>();
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address bits, so tiles start on 1024 bytes
@@ -154,11 +155,19 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         }
         wgmma_commit();
     };
-    // O_i += P V_j from V buffer vb: Bc/16 instructions of 64 × D × 16, one group
+    // O_i += P V_j from V buffer vb: Bc/16 instructions of 64 × D × 16, one group (D =
+    // 256: two of 64 × 128 × 16 per step, on V's column blocks 0–1 and 2–3, into O's
+    // registers 0–63 and 64–127: the m64n128 layout of each half)
     auto issue_pv = [&](unsigned vb) {
 #pragma unroll
-        for (int kk = 0; kk < Bc / 16; ++kk)
-            Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+            if constexpr (D == 256) {
+                Wgmma<T, 128>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+                Wgmma<T, 128>::rs(o + 64, pf[kk], desc(vb + 2 * Bc * 128 + kk * 16 * 128, Bc * 128, 1024));
+            } else {
+                Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+            }
+        }
         wgmma_commit();
     };
     // the online softmax of tile j on S: masks, updates m and ℓ, leaves P = 2^(S·scale·log2e

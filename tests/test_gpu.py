@@ -32,10 +32,11 @@ HEAD_DIMS = (1, 3, 16, 32, 40, 59, 64, 96, 111, 128, 160, 256)
 FAST_HEAD_DIMS = (8, 16, 32, 40, 64, 72, 96, 112, 128, 136, 192, 256)
 
 
-def on_rung(kernel: str, d: int, dv: int):
-    """Only examples the rung has an instance for: the Hopper rung's largest is 128
-    (above it "auto" runs the tensor-core rung, which tests with kernel="tc" cover)."""
-    assume(kernel != "wg" or max(d, dv) <= max(fs.kernels.WG_HEAD_DIMS))
+def on_rung(kernel: str, d: int, dv: int, backward: bool = False):
+    """Only examples the rung has an instance for: the Hopper backward's largest is 128
+    (above it "auto" runs the tensor-core one, which tests with kernel="tc" cover)."""
+    dims = fs.kernels.WG_BWD_HEAD_DIMS if backward else fs.kernels.WG_HEAD_DIMS
+    assume(kernel != "wg" or max(d, dv) <= max(dims))
 
 
 def same_dtype_error(q, k, v, dtype, causal, ref_out):
@@ -228,7 +229,7 @@ def test_backward_matches_simulator(poisoned, problem, deterministic):
                             any_blocks=False, dv_dims=FAST_HEAD_DIMS),
        deterministic=st.booleans())
 def test_tensor_core_backward_matches_simulator(poisoned, kernel, problem, deterministic):
-    on_rung(kernel, problem[0].shape[-1], problem[2].shape[-1])
+    on_rung(kernel, problem[0].shape[-1], problem[2].shape[-1], backward=True)
     check_backward(*problem, kernel=kernel, deterministic=deterministic)
 
 
@@ -752,7 +753,7 @@ def test_fast_rungs_run_the_variants_forward(poisoned, kernel, problem):
 @pytest.mark.parametrize("kernel", FAST_RUNGS)
 @given(problem=fast_variant_problems(), deterministic=st.booleans())
 def test_fast_rungs_run_the_variants_backward(poisoned, kernel, problem, deterministic):
-    on_rung(kernel, problem[0].shape[-1], problem[2].shape[-1])
+    on_rung(kernel, problem[0].shape[-1], problem[2].shape[-1], backward=True)
     check_variants_backward(*problem, deterministic, kernel=kernel)
 
 

@@ -29,7 +29,7 @@ def host(x):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_values_and_gradients_by_the_rule(dtype, d, causal):
     import flashsim.torch as fst

@@ -80,7 +80,7 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
     if kernel == "wg":
         raise ValueError(
             f"the Hopper kernel runs float16/bfloat16 with d and dv multiples of 8 up to "
-            f"{max(K.WG_HEAD_DIMS)} and its own tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on a device of "
+            f"{max(K.WG_BWD_HEAD_DIMS if backward else K.WG_HEAD_DIMS)} and its own tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on a device of "
             f"compute capability 9.0 (this one: "
             f"{dev.cc(dev.cupy().cuda.Device().id) / 10:.1f}); got {dtype}, d={shape.d}, "
             f"dv={shape.dv}, block_sizes={block_sizes}. Use kernel='tc', 'ref' or 'auto'.")
