@@ -2,12 +2,13 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128}: head
+//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128, 256}: head
 //                        dims d, dv ≤ D, multiples of 8 (below D the columns past them are
 //                        zeroed on chip and never stored; forward and backward run them
 //                        in their VAR instances, whose registers have room for the tests),
 //                        tiles Br × Bc = 128 × 128 (D = 64), 128 × 64 (D = 128; and on
-//                        Ampere at D = 64). Adds over
+//                        Ampere at D = 64), 64 × 64 (D = 256, one m-tile per warp). Adds
+//                        over
 //                        flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
 //                          and O += P V, so it also runs on Ampere;
@@ -442,7 +443,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
 // flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre-pass is
 // flash2_bwd_preprocess_tc below, the post-pass the reference's). K/V-outer like
-// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys, 8 warps; the visited Q tiles
+// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys (64 at D = 256), 8 warps; the visited Q tiles
 // stream through shared memory, double-buffered, in steps of BrB queries. Each step runs
 // three products, each with the warps laid out so that every fragment a warp reads from
 // shared memory feeds several MMAs (ldmatrix traffic, not the tensor cores, limits this

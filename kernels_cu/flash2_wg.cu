@@ -1,11 +1,12 @@
 // flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
-//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128}: head
+//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128, 256}: head
 //                        dims d, dv ≤ D, multiples of 8 (the columns past them zero-filled
 //                        by the loads and never stored; so too in the backward below),
 //                        tiles Br × Bc = 128 × 128 (D = 128), 128 × 64 (D = 64, two CTAs
-//                        per SM). Over flash2_fwd_tc it changes how the
+//                        per SM; D = 256, P V as two 64 × 128 products per k-step). Over
+//                        flash2_fwd_tc it changes how the
 //                        products run:
 //                        - wgmma.mma_async m64nNk16: a warpgroup (4 warps) issues one
 //                          instruction for a 64 × N × 16 product and the tensor cores run
