@@ -1,6 +1,6 @@
 """Side-by-side GPU timing of attention, forward and backward, in one process.
 
-    flashsim bench [--quick] [--ds 64,128] [--ns 2048,4096] [--dtypes float16] \
+    flashsim bench [--quick] [--ds 64,96,128,192,256] [--ns 2048,4096] [--dtypes float16] \
                    [--causal both|yes|no] [--out bench] [--json]
     python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
 
@@ -10,7 +10,8 @@ does not inherit its neighbour's clocks), on inputs several times the L2 size:
 flashsim's kernels (`fs.gpu`: wg, the Hopper forward; tc; ref), a dense CuPy attention
 (matmul, softmax, matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
 efficient and math backends when PyTorch is present. Grid (each part can be chosen): float16 and
-bfloat16; d ∈ {64, 128}; N ∈ {512 … 16k} with batch·N = 16k tokens and heads = 2048/d;
+bfloat16; d ∈ {64, 96, 128, 192, 256} (the fast rungs' instances and two head dims between
+them); N ∈ {512 … 16k} with batch·N = 16k tokens and heads = 2048/d (rounded down);
 causal and not; a progress bar (tqdm) on stderr over the shapes. TFLOP/s by FlashAttention's convention: forward 4·B·H·N²·d (halved when
 causal), backward 2.5× that. Writes bench.md (table), bench.json (GPU, versions, date,
 every number) and bench.png (when matplotlib is there), and prints each flashsim
@@ -111,7 +112,8 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                     help="keep the shapes already in OUT/bench.json (a run cut short) and "
                          "time only the rest")
     ap.add_argument("--out", default=default_out, help=f"output folder (default: {default_out})")
-    ap.add_argument("--ds", default="64,128", help="head dims, comma-separated (default: 64,128)")
+    ap.add_argument("--ds", default="64,96,128,192,256",
+                    help="head dims, comma-separated (default: 64,96,128,192,256)")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                     help="time with the causal mask, without, or both (default)")
     ap.add_argument("--json", action="store_true",
