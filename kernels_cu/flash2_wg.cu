@@ -171,70 +171,12 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         }
         wgmma_commit();
     };
-    // the online softmax of tile j on S: masks, updates m and ℓ, leaves P = 2^(S·scale·log2e
-    // − m) in s (fp32) and returns the factors (α) that O's rows must be scaled by
+    // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
     auto softmax = [&](int j, float& a0, float& a1) {
-        // mask ragged keys and the band, only where the tile needs it. Register 4t + e
-        // holds row r0 + 8·(e ≥ 2), key 8t + 2·tig + (e & 1) of the tile
-        const int j0 = j * Bc;
-        if constexpr (VAR) {   // before the mask: softcap(−∞) would be −softcap
-            // slopes: one per problem, or (VL) per (sequence, problem)
-            const VarScores vs{k_in, k_out, slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f};
-            const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
-#pragma unroll
-            for (int t = 0; t < Bc / 8; ++t)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float th;
-                    s[4 * t + e] = vs(s[4 * t + e], dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
-                }
-        }
-        const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
-                             || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
-        if (partial) {
-#pragma unroll
-            for (int t = 0; t < Bc / 8; ++t)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = j0 + t * 8 + tig * 2 + (e & 1);
-                    const int r = i0 + r0 + (e < 2 ? 0 : 8);
-                    if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
-                }
-        }
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
-            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
-        }
-        quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
-        const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
-        const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
-        a0 = ex2(m0 - ms0);
-        a1 = ex2(m1 - ms1);
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= a0;
-        l1 *= a1;
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            s[4 * t] = ex2(fmaf(s[4 * t], sl2, -ms0));
-            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
-            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], sl2, -ms1));
-            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
-            l0 += s[4 * t] + s[4 * t + 1];
-            l1 += s[4 * t + 2] + s[4 * t + 3];
-        }
+        wg_softmax<Bc, Br, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
+                                sl2, k_in, k_out, VAR && slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f);
     };
-    // P to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A fragment
-    // of k-step k (rows g and g + 8)
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
-            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
-        }
-    };
+    auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
 
     // The loop overlaps the softmax of tile j with the tensor cores' O_i += P_{j−1} V_{j−1}:
     // each step issues S_j = Q_i K_jᵀ and that product, waits for S_j only, runs the
@@ -311,23 +253,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i
     T* Oi = O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo;
-    quad_sum(l0, l1);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const int r1 = r0 + 8;
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const int c = t * 8 + tig * 2;
-        if (c >= dv) break;                          // the instance's columns past dv
-        if (r0 < rows)
-            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
-        if (r1 < rows)
-            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
-    }
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        if (r0 < rows) L[q_row + r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) L[q_row + r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
-    }
+    wg_store_o<T, D>(o, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, tig, rows, dv);
 #else
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();

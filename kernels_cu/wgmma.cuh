@@ -119,6 +119,103 @@ template <> struct Wgmma<CTY, 128> {                                            
 FLASHSIM_WGMMA_128(__half, "f16")
 FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
 
+// -- the forwards' online softmax on a warpgroup's S (flash2_fwd_wg, flash2_fwd_ws) -------
+// S_j is this warpgroup's 64 × Bc tile in the m64nNk16 accumulator layout: register 4t + e
+// holds row r (= r0 + 8·(e ≥ 2) of the Q tile starting at query i0) and key 8t + 2·tig +
+// (e & 1) of tile j (first key j0). Finishes the scores (VAR: VarScores with the problem's
+// slope, before the mask, since softcap(−∞) would be −softcap), masks ragged keys and the
+// band where the tile needs it, updates the running max m (log2 domain) and the partial
+// sums ℓ of rows r0, r0 + 8, leaves P = 2^(S·sl2 − m) in s (fp32), and returns in a0, a1
+// the factors (α) that O's rows must be scaled by.
+template <int Bc, int Br, bool VAR>
+__device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float& l0, float& l1,
+                                           float& a0, float& a1, int j0, int i0, int r0, int tig,
+                                           int nq, int nk, const Band& band, float sl2,
+                                           float k_in, float k_out, float slope) {
+    if constexpr (VAR) {
+        const VarScores vs{k_in, k_out, slope};
+        const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float th;
+                s[4 * t + e] = vs(s[4 * t + e], dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
+            }
+    }
+    const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
+                         || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+    if (partial) {
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = j0 + t * 8 + tig * 2 + (e & 1);
+                const int r = i0 + r0 + (e < 2 ? 0 : 8);
+                if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
+            }
+    }
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int t = 0; t < Bc / 8; ++t) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
+        mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
+    }
+    quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
+    const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
+    const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
+    a0 = ex2(m0 - ms0);
+    a1 = ex2(m1 - ms1);
+    m0 = mx0;
+    m1 = mx1;
+    l0 *= a0;
+    l1 *= a1;
+#pragma unroll
+    for (int t = 0; t < Bc / 8; ++t) {
+        s[4 * t] = ex2(fmaf(s[4 * t], sl2, -ms0));
+        s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
+        s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], sl2, -ms1));
+        s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
+        l0 += s[4 * t] + s[4 * t + 1];
+        l1 += s[4 * t + 2] + s[4 * t + 3];
+    }
+}
+// P (fp32, in s) to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A
+// fragment of k-step k (rows g and g + 8), the A operand of P V_j
+template <typename T, int Bc>
+__device__ __forceinline__ void wg_pack_p(const float* s, unsigned (*pf)[4]) {
+#pragma unroll
+    for (int t = 0; t < Bc / 8; ++t) {
+        pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
+        pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
+    }
+}
+
+// The forwards' epilogue: ℓ reduced over the quad, O_i's rows r0, r0 + 8 (of `rows`) divided
+// once and written (dv of the instance's D columns, rows ldo apart), and L_i (natural log)
+template <typename T, int D>
+__device__ __forceinline__ void wg_store_o(const float* o, T* Oi, int ldo, float* Li, float l0,
+                                           float l1, float m0, float m1, int r0, int tig,
+                                           int rows, int dv) {
+    quad_sum(l0, l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int c = t * 8 + tig * 2;
+        if (c >= dv) break;                          // the instance's columns past dv
+        if (r0 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
+        if (r1 < rows)
+            *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
+    }
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
+}
+
 // -- mbarriers and the tensor memory accelerator (TMA) ----------------------------------
 // A tensor map (CUtensorMap: 128 bytes, built on the host by cuTensorMapEncodeTiled)
 // describes a tensor in global memory and the box one TMA instruction copies; the kernel
