@@ -1,5 +1,6 @@
 """What the variants cost on the fast rungs: window, softcap and ALiBi against plain
-attention, forward (wg on a 9.0 device, and tc) and backward (tc), on one GPU.
+attention, forward (on a 9.0 device the Hopper rung, "ws" where the copy-engine forward
+takes the inputs, and tc) and backward (wg on 9.0, and tc), on one GPU.
 
     python3 analysis/bench_variants.py [--ns 4096] [--ds 64,128] [--reps 30]
 
@@ -31,26 +32,40 @@ OUT = Path(__file__).resolve().parent / "out" / "bench"
 
 
 def record(call):
-    """The launches ``call()`` makes, as (kernel, grid, block, args, smem) to replay."""
+    """The launches ``call()`` makes, to replay: (kernel, grid, block, args, smem) for
+    those through the loader, and the copy-engine forward's launcher with its arguments
+    (flash2_fwd_ws launches through its own parameter array, and re-encodes its tensor
+    maps per call from a cache)."""
     dev = fs.gpu._device
+    ws = fs.gpu.flash2._WsForward
     launches = []
-    real = dev.launch
+    real, real_ws = dev.launch, ws.__call__
 
     def spy(cp, kernel, grid, smem, args, threads=dev.THREADS):
-        launches.append((kernel, grid, threads, args, smem))
+        launches.append(("cupy", (kernel, grid, threads, args, smem)))
         return real(cp, kernel, grid, smem, args, threads)
-    dev.launch = spy
+
+    def spy_ws(self, *args, **kw):
+        launches.append(("ws", (self, args, kw)))
+        return real_ws(self, *args, **kw)
+    dev.launch, ws.__call__ = spy, spy_ws
     try:
         call()
     finally:
-        dev.launch = real
-    for kernel, _, _, _, smem in launches:
-        if smem > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = smem
+        dev.launch, ws.__call__ = real, real_ws
+    for how, launch in launches:
+        if how == "cupy" and launch[4] > 48 * 1024:
+            launch[0].max_dynamic_shared_size_bytes = launch[4]
 
     def replay():
-        for kernel, grid, threads, args, smem in launches:
-            kernel(tuple(grid), (threads,), args, shared_mem=smem)
+        for how, launch in launches:
+            if how == "ws":
+                self, args, kw = launch
+                real_ws(self, *args, **kw)
+            else:
+                kernel, grid, threads, args, smem = launch
+                kernel(tuple(grid), (threads,), args, shared_mem=smem)
+    replay.ws = any(how == "ws" for how, _ in launches)
     return replay
 
 
@@ -93,13 +108,15 @@ def main(argv=None):
             for case, kw in cases.items():
                 npairs = pairs(N, N, kw.get("causal", False), kw.get("window"))
                 for kern in (["wg"] if wg else []) + ["tc"]:
-                    fns[(case, f"fwd {kern}")] = (record(lambda: fs.gpu.attention(
-                        q, k, v, kernel=kern, **kw)), None)
-                    flop[(case, f"fwd {kern}")] = 4 * B * H * npairs * d
+                    replay = record(lambda: fs.gpu.attention(q, k, v, kernel=kern, **kw))
+                    what = "fwd ws" if replay.ws else f"fwd {kern}"
+                    fns[(case, what)] = (replay, None)
+                    flop[(case, what)] = 4 * B * H * npairs * d
                 out, lse = fs.gpu.attention(q, k, v, kernel="tc", **kw)
-                fns[(case, "bwd tc")] = (record(lambda: fs.gpu.attention_backward(
-                    q, k, v, out, lse, do, kernel="tc", **kw)), None)
-                flop[(case, "bwd tc")] = 2.5 * 4 * B * H * npairs * d
+                for kern in (["wg"] if wg and d in fs.kernels.WG_BWD_HEAD_DIMS else []) + ["tc"]:
+                    fns[(case, f"bwd {kern}")] = (record(lambda: fs.gpu.attention_backward(
+                        q, k, v, out, lse, do, kernel=kern, **kw)), None)
+                    flop[(case, f"bwd {kern}")] = 2.5 * 4 * B * H * npairs * d
             times = interleaved(cp, fns, a.reps)
             for (case, what), t in times.items():
                 ms = float(np.median(t))

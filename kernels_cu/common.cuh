@@ -328,9 +328,9 @@ __device__ __forceinline__ void fwd_tile_count(unsigned long long* io, int rows,
 }
 
 // The traffic of the fast backwards' CTA of a K/V tile of `cols` keys whose visited Q
-// steps hold q_rows rows (the last cut at Nq), counted once after the main loop:
-// K_j, V_j once, and per step Q_i, dO_i, L_i, D_i in and dQacc_i in and out (dK_j and
-// dV_j are counted where they are written)
+// steps hold q_rows rows (the last cut at Nq), counted once (the tc backward before its
+// main loop, the wg one after it): K_j, V_j once, and per step Q_i, dO_i, L_i, D_i in
+// and dQacc_i in and out (dK_j and dV_j are counted where they are written)
 template <typename T>
 __device__ __forceinline__ void bwd_tile_count(unsigned long long* io, int cols, long long q_rows,
                                                int d, int dv) {

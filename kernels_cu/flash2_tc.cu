@@ -191,11 +191,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Band band{left, right, nk - nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
-    // VAR (the instance for softcap and ALiBi): S is finished elementwise in log2 units
-    // (VarScores), and the exponent's multiplier is then 1 instead of scale·log2(e). A
-    // template argument, not a run-time test, so the plain instance keeps every register
-    // it had (a run-time branch made it spill)
-    const float sl2 = VAR ? 1.f : scale_log2;
+    // VAR (the instance for softcap and ALiBi): S is finished elementwise (VarScores), in
+    // log2 units over vs.scale(), which is then the exponent's multiplier instead of
+    // scale·log2(e). A template argument, not a run-time test, so the plain instance
+    // keeps every register it had (a run-time branch made it spill)
+    const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
     // Head dims d, dv below the instance's D run in the VAR instance alone (the launcher
     // sends them there, with softcap and ALiBi off): there the loads skip the columns
     // past them and the epilogue does not store them; the plain instance, at 255
@@ -534,6 +534,11 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     // derivative 1 − tanh² (the scale is applied to dQ and dK at the end, as without)
     int ilo, ihi;                                 // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
+    // the traffic, counted once before the loop, where registers are free (counter
+    // updates inside or after it would hold registers it needs): K_j, V_j once, and per
+    // visited step i = ilo..ihi (the last cut at Nq) Q_i, dO_i, L_i, D_i in and dQacc_i
+    // in and out
+    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
     const int k0 = wk * KW + g;                   // this thread's keys: k0 + {0, 8, 16, 24} (KM = 2)
     // per-thread bases of the ldmatrix addresses (swz_base, or plain for the padded Pᵀ
     // and dSᵀ). Offsets a warp adds at run time (its key group, its half) go into the
@@ -679,7 +684,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                         if constexpr (VAR) {
                             float th = 0.f;
                             const float x = vs(s[mt][t][e], dist0 + (float)(t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8)), &th);
-                            pv[e] = ex2(x - ((e & 1) ? l2.y : l2.x));
+                            pv[e] = ex2(fmaf(x, vs.scale(), -((e & 1) ? l2.y : l2.x)));
                             dcap = fmaf(-th, th, 1.f);   // 1 without a softcap (th = 0)
                         } else {
                             pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
@@ -775,11 +780,6 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
             if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
         }
     }
-    // the traffic, counted once after the loop (counter updates inside it would hold
-    // registers): K_j, V_j once, and per visited step i = ilo..ihi (the last cut at Nq)
-    // Q_i, dO_i, L_i, D_i in and dQacc_i in and out
-    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
-
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     // (the table read here, not hoisted above the loop into registers it needs)
     T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;

@@ -123,7 +123,8 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     const Band band{left, right, nk - nq};
     int jlo, jhi;
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
-    const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
+    // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
+    const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         fwd_tile_unseen<T, THREADS>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo, ldo,
@@ -407,7 +408,7 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
                 const float l = (e & 1) ? l2.y : l2.x;
                 float th = 0.f;
                 if constexpr (VAR)
-                    s[4 * t + e] = ex2(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &th) - l);
+                    s[4 * t + e] = ex2(fmaf(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &th), vs.scale(), -l));
                 else
                     s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -l));
                 if (partial) {

@@ -157,7 +157,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // -- the consumers: warpgroup cw owns query rows 64·cw … 64·cw + 63 of the tile ----
     if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_inc<consumer_regs<D>()>();
     const int cw = grp - 1;
-    const float sl2 = VAR ? 1.f : scale_log2;       // VAR: scores already in log2 units
+    // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
+    const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j

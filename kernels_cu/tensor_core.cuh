@@ -83,30 +83,45 @@ inline float ex2(float x) {
 }
 #endif
 
-// tanh(x) = 1 − 2 / (1 + e^{2x}), from one ex2 and one fast division (VarScores): its
-// absolute error (a few 1e-7) is below the fp32 rounding of softcap·tanh, which is what
-// the softmax sees, at a third of tanhf's instructions; it saturates to ±1.
+// tanh(x) for the softcap (VarScores): one MUFU.TANH (sm_75 on), maximum relative error
+// 1.1e-5 (measured on an H100: analysis/tanh_error.py, kernels_cu/NOTES.md v18); the
+// softmax then sees softcap·tanh to within softcap·1.1e-5 in its logits, below one
+// float16 rounding of P for softcaps up to ~44 (and bfloat16's up to ~350). The CPU
+// emulation takes libm's tanh.
+#ifndef FLASHSIM_HOST
+__device__ __forceinline__ float tanh_fast(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+inline float tanh_fast(float x) { return std::tanh(x); }
+#endif
 
 // The variants' scores on the fast rungs, in log2 units (the exponent ex2 takes): for
 // s = q·k and dist = r + off − c,
 //   softcap·log2(e)·tanh(scale·s / softcap) − slope·log2(e)·|dist|
 // (the order of common.cuh's Scores), or scale·log2(e)·s − … without a softcap. The
-// kernels take k_in and k_out as parameters and the slopes already in log2 units
-// (flashsim/gpu/flash2.py's _fast_variants): read from the parameter bank where used,
+// score is returned over scale() (softcap·log2(e), or 1), which the softmax's FFMA
+// x·scale() − m applies as it applies scale·log2(e) to plain scores: the max of
+// scale()·x is scale()·(the max of x), so one multiply per score less. The kernels take
+// k_in and k_out as parameters and the slopes already in these units (over scale():
+// flashsim/gpu/flash2.py's _fast_variants): read from the parameter bank where used,
 // they hold no register across the loop in instances already at 255. *t receives the
 // tanh (the backward's 1 − tanh²).
 struct VarScores {
-    float k_in;     // 2·log2(e)·scale / softcap (the tanh's exponent), or scale·log2(e)
+    float k_in;     // scale / softcap (the tanh's argument), or scale·log2(e)
     float k_out;    // softcap·log2(e); 0: no softcap
-    float k_bias;   // slope·log2(e); 0: no ALiBi
+    float k_bias;   // slope·log2(e) / scale(); 0: no ALiBi
+    __device__ __forceinline__ float scale() const { return k_out != 0.f ? k_out : 1.f; }
     // dist as a float (an exact integer below 2^24): the callers add compile-time offsets
     // to a per-tile base with FADDs; an int → float conversion per score ran on the
     // quarter-rate conversion pipe, beside MUFU's
     __device__ __forceinline__ float operator()(float s, float dist, float* t) const {
         float x;
         if (k_out != 0.f) {
-            *t = 1.f - __fdividef(2.f, 1.f + ex2(s * k_in));
-            x = k_out * *t;
+            *t = tanh_fast(s * k_in);
+            x = *t;
         } else {
             x = s * k_in;
         }

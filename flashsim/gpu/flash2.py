@@ -131,16 +131,17 @@ def _variant_args(cp, shape: Shape, dtype: str, causal, window, softcap, alibi_s
 
 def _fast_variants(cp, scale: float, softcap, slopes):
     """(k_in, k_out, slopes) for the fast rungs' softcap/ALiBi instance (tensor_core.cuh's
-    VarScores): the scores' constants in log2 units, computed here so that the kernels
-    read them from their parameters, and the slopes (a device array, or a null pointer)
-    times log2(e)."""
+    VarScores): the scores' constants, computed here so that the kernels read them from
+    their parameters, and the slopes (a device array, or a null pointer) in the units of
+    the scores the kernels form: log2 units over VarScores::scale() (softcap·log2(e) with
+    a softcap, else 1)."""
     c = check_softcap(softcap)
     if c is None:
-        k_in, k_out = scale * LOG2E, 0.0
+        k_in, k_out, per_slope = scale * LOG2E, 0.0, LOG2E
     else:
-        k_in, k_out = 2 * LOG2E * scale / c, c * LOG2E
+        k_in, k_out, per_slope = scale / c, c * LOG2E, 1.0 / c
     if not isinstance(slopes, np.uint64):
-        slopes = (slopes * np.float32(LOG2E)).astype(np.float32)
+        slopes = (slopes * np.float32(per_slope)).astype(np.float32)
     return np.float32(k_in), np.float32(k_out), slopes
 
 
