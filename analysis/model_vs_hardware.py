@@ -323,8 +323,8 @@ def summarize(rows):
     }
 
 
-MAIN = ("flash2_fwd", "flash2_fwd_tc", "flash2_fwd_wg", "flash2_bwd_main", "flash2_bwd_tc",
-        "flash2_bwd_tc_det")
+MAIN = ("flash2_fwd", "flash2_fwd_tc", "flash2_fwd_wg", "flash2_fwd_ws", "flash2_bwd_main",
+        "flash2_bwd_tc", "flash2_bwd_tc_det")
 
 
 def misses(r) -> list[str]:

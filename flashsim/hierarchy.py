@@ -108,6 +108,14 @@ EFFICIENCY = {
     # its deterministic mode 0.82 of that (do_bench there: 0.85 at d = 64, 0.82 at 128)
     ("flash2_bwd_wg", 64): 0.341, ("flash2_bwd_wg", 128): 0.363,
     ("flash2_bwd_wg_det", 64): 0.280, ("flash2_bwd_wg_det", 128): 0.302,
+    # the same scaling by measured TFLOP/s (H100, float16, no mask): the ws forward from
+    # wg's 0.485 by ws / wg = 569 / 399 at N = 16384 (analysis/out/bench/ws_fwd.md); the
+    # D = 256 instances from ws at d = 128 and the wg backward at d = 128 in one run at
+    # N = 4096 (analysis/out/bench/head_dims.json: forward wg(256) / ws(128) = 395 / 459,
+    # backward tc(256) / wg(128) = 156 / 297), the deterministic one by tc's det / plain
+    # at 128. The tc forward at 256 (which `auto` does not run on 9.0) is not measured.
+    ("flash2_fwd_ws", 128): 0.693, ("flash2_fwd_wg", 256): 0.596,
+    ("flash2_bwd_tc", 256): 0.191, ("flash2_bwd_tc_det", 256): 0.159,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
@@ -307,7 +315,7 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
 def _make_launch(kernel: str, shape: Shape, dtype: str, hw: GPU, Br: int, Bc: int) -> Launch:
     spec = K.LAUNCH_SPECS[kernel]
     cc = hw.compute_capability
-    fast = kernel.endswith(("_tc", "_wg", "_tc_det", "_wg_det"))
+    fast = kernel.endswith(("_tc", "_wg", "_ws", "_tc_det", "_wg_det"))
     D = K.head_dim_instance(shape.d, shape.dv) if fast else None   # the instance's head dim
     smem = K.smem_bytes(kernel, Br, Bc, D or shape.d, D or shape.dv, dtype)
     threads = K.threads(kernel, D or shape.d, cc)
@@ -337,6 +345,10 @@ def launches(shape: Shape, io_dtype, hardware, *, backward: bool = False,
     Br, Bc = kernel_tiles(rung, shape, dtype, hw, block_sizes, backward)
     if not backward:
         name = {"wg": "flash2_fwd_wg", "tc": "flash2_fwd_tc", "ref": "flash2_fwd"}[rung]
+        if rung == "wg" and shape.d == shape.dv and shape.d in K.WS_HEAD_DIMS:
+            # the forward fed by the copy engine, as flashsim.gpu launches it for rows TMA
+            # can address (a dense layout: the model's); its tiles are wg's
+            name = "flash2_fwd_ws"
         return (_make_launch(name, shape, dtype, hw, Br, Bc),)
     if rung in ("tc", "wg"):
         names = ("flash2_bwd_preprocess_tc",

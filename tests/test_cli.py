@@ -246,7 +246,7 @@ def test_simulate_hardware_prints_three_levels(capsys):
     code, out, err = run(capsys, "simulate", "--hardware", "H100", "--seq", "131072",
                          "--head-dim", "128")
     assert code == 0, err
-    assert "flash2_fwd_wg: grid 1024×1 of 256 threads" in out and "7.76 waves" in out
+    assert "flash2_fwd_ws: grid 1024×1 of 384 threads" in out and "7.76 waves" in out
     assert "SM↔L2 read" in out and "L2↔DRAM read" in out and "compulsory read" in out
     assert "predicted time" in out
     d = run_json(capsys, "simulate", "--hardware", "h100", "--seq", "2000", "--heads", "4",
