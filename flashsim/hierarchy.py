@@ -116,6 +116,10 @@ EFFICIENCY = {
     # at 128. The tc forward at 256 (which `auto` does not run on 9.0) is not measured.
     ("flash2_fwd_ws", 128): 0.693, ("flash2_fwd_wg", 256): 0.596,
     ("flash2_bwd_tc", 256): 0.191, ("flash2_bwd_tc_det", 256): 0.159,
+    # the tc backward's D = 192 instance, the same way: 167 TF/s at d = 192, N = 4096
+    # (analysis/out/bench/head_dims_bwd192.json) over the wg backward's 297 at d = 128
+    # above (head_dims.json: another process on the same device)
+    ("flash2_bwd_tc", 192): 0.204, ("flash2_bwd_tc_det", 192): 0.170,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
@@ -293,13 +297,13 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
     """(Br, Bc) the rung runs with: its fixed tiles, or for "ref" ``block_sizes`` (default:
     the largest square tile whose CTA fits the device's shared memory)."""
     cc = hw.compute_capability
-    D = K.head_dim_instance(shape.d, shape.dv)     # the fast rungs' instance
-    if rung == "wg":
-        return K.wg_blocks(D, backward)
-    if rung == "tc":
+    if rung in ("tc", "wg"):                       # the fast rungs' instance
+        D = K.instance_dim(rung, shape.d, shape.dv, backward, cc // 10)
+        if rung == "wg":
+            return K.wg_blocks(D, backward)
         if backward:
             return K.tc_bwd_blocks(D, cc // 10)
-        return K.tc_blocks(D, cc // 10, K.padded(shape.d, shape.dv))
+        return K.tc_blocks(D, cc // 10, K.padded(shape.d, shape.dv, D))
     if block_sizes is not None:
         Br, Bc = (int(x) for x in block_sizes)
         kernel = "flash2_bwd_main" if backward else "flash2_fwd"
@@ -312,11 +316,21 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
     return K.default_block_sizes(shape.d, shape.dv, dtype, hw.smem_per_block, backward)
 
 
+def _instance_of(kernel: str, d: int, dv: int, cc: int = 90) -> int | None:
+    """D of the template instance ``kernel`` runs head dims d, dv on (None: a reference
+    kernel, which takes any d): the pre-pass's, the backward's or the forward's."""
+    if kernel == "flash2_bwd_preprocess_tc":
+        return K.pre_instance(d, dv)
+    if not kernel.endswith(("_tc", "_wg", "_ws", "_tc_det", "_wg_det")):
+        return None
+    rung = "wg" if "_wg" in kernel or "_ws" in kernel else "tc"
+    return K.instance_dim(rung, d, dv, kernel.startswith("flash2_bwd"), cc // 10)
+
+
 def _make_launch(kernel: str, shape: Shape, dtype: str, hw: GPU, Br: int, Bc: int) -> Launch:
     spec = K.LAUNCH_SPECS[kernel]
     cc = hw.compute_capability
-    fast = kernel.endswith(("_tc", "_wg", "_ws", "_tc_det", "_wg_det"))
-    D = K.head_dim_instance(shape.d, shape.dv) if fast else None   # the instance's head dim
+    D = _instance_of(kernel, shape.d, shape.dv, cc)   # the instance's head dim (or None)
     smem = K.smem_bytes(kernel, Br, Bc, D or shape.d, D or shape.dv, dtype)
     threads = K.threads(kernel, D or shape.d, cc)
     regs = K.registers(kernel, D, cc)
@@ -757,12 +771,13 @@ def step_flops(launch: Launch, shape: Shape) -> int:
     return 0
 
 
-def efficiency(kernel: str, d: int, dv: int | None = None) -> float:
-    """η of a kernel (see `EFFICIENCY`); the reference kernels' does not depend on d. A
-    fast kernel's instance wider than d, dv multiplies the columns past them too (zeros):
-    its η counts the useful share, (d + dv) / 2D, of the instance's."""
+def efficiency(kernel: str, d: int, dv: int | None = None, cc: int = 90) -> float:
+    """η of a kernel (see `EFFICIENCY`) on a device of compute capability ``cc``; the
+    reference kernels' does not depend on d. A fast kernel's instance wider than d, dv
+    multiplies the columns past them too (zeros): its η counts the useful share,
+    (d + dv) / 2D, of the instance's."""
     dv = d if dv is None else dv
-    D = K.head_dim_instance(d, dv)
+    D = _instance_of(kernel, d, dv, cc)
     if D is not None and (kernel, D) in EFFICIENCY:
         return EFFICIENCY[(kernel, D)] * (d + dv) / (2 * D)
     return EFFICIENCY.get((kernel, d), EFFICIENCY.get((kernel, None), 0.0))
@@ -842,7 +857,7 @@ def predict(shape: Shape, io_dtype, band, hardware, *, backward: bool = False,
                          partitions=hw.l2_partitions, max_events=max_events)
         F = step_flops(L, shape)
         flops = F * int(prog.n.sum())
-        eta = efficiency(L.kernel, shape.d, shape.dv)
+        eta = efficiency(L.kernel, shape.d, shape.dv, hw.compute_capability)
         per_slot = eta * hw.peak_flops / L.slots if eta > 0 else math.inf
         parts = {"compute": l2.makespan * F / per_slot if F else 0.0,
                  "dram": l2.dram.total_bytes / hw.dram_sustained_bytes_per_s,

@@ -62,8 +62,15 @@ TC_THREADS_AMPERE = {64: 128, 128: 256, 256: 128}
 # the steps are half as long (d = 128: registers; d = 64: an A100's shared memory);
 # d = 256: 64 keys (one 16-key m-tile per warp: dK_j, dV_j take 128 registers) in steps
 # of 32 queries (64 spilled in the varlen instances)
-TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128), 256: (32, 64)}
-TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128), 256: (32, 64)}
+TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128), 192: (64, 64), 256: (32, 64)}
+TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128), 192: (64, 64), 256: (32, 64)}
+# the backward's instances: d = 192 (and any d in (128, 192]) has its own on sm_90, 64
+# keys in steps of 64 queries (3/4 of D = 256's products, twice its step); on Ampere its
+# steps of 64 need 128 bytes more shared memory than an A100 gives a CTA, and steps of 32
+# would split dQ's 192 columns into odd n-tile counts: it runs D = 256 there (the instance
+# is built for every target, TC_BWD_BLOCKS_AMPERE naming the tiles it has, not launched)
+TC_BWD_HEAD_DIMS = (64, 128, 192, 256)
+TC_BWD_HEAD_DIMS_AMPERE = (64, 128, 256)
 
 
 def head_dim_instance(d: int, dv: int, dims=TC_HEAD_DIMS) -> int | None:
@@ -77,11 +84,32 @@ def head_dim_instance(d: int, dv: int, dims=TC_HEAD_DIMS) -> int | None:
     return next((D for D in sorted(dims) if max(d, dv) <= D), None)
 
 
-def padded(d: int, dv: int) -> bool:
-    """Head dims below their instance's D: the fast rungs run them in their VAR
-    instances (flash2_tc.cu's plain ones, at 255 registers, spilled with the column
-    tests); its constants make softcap and ALiBi no-ops there."""
-    D = head_dim_instance(d, dv)
+def instance_dim(rung: str, d: int, dv: int, backward: bool = False,
+                 cc_major: int = 9) -> int | None:
+    """D of the instance the fast rung ``rung`` ("tc" or "wg") runs head dims d, dv on, in
+    the forward or the backward, on a device of this compute capability (the instances
+    differ: TC_HEAD_DIMS, TC_BWD_HEAD_DIMS(_AMPERE), WG_HEAD_DIMS, WG_BWD_HEAD_DIMS)."""
+    if rung == "wg":
+        dims = WG_BWD_HEAD_DIMS if backward else WG_HEAD_DIMS
+    elif backward:
+        dims = TC_BWD_HEAD_DIMS if cc_major >= 9 else TC_BWD_HEAD_DIMS_AMPERE
+    else:
+        dims = TC_HEAD_DIMS
+    return head_dim_instance(d, dv, dims)
+
+
+def pre_instance(d: int, dv: int) -> int | None:
+    """D of the fast backwards' pre-pass (flash2_bwd_preprocess_tc) for head dims d, dv:
+    the forward's instance (a power of two: D/8 lanes of a row reduce by shuffles)."""
+    return head_dim_instance(d, dv, TC_HEAD_DIMS)
+
+
+def padded(d: int, dv: int, D: int | None = None) -> bool:
+    """Head dims below their instance's D (default: the forward's, head_dim_instance):
+    the fast rungs run them in their VAR instances (flash2_tc.cu's plain ones, at 255
+    registers, spilled with the column tests); its constants make softcap and ALiBi
+    no-ops there."""
+    D = head_dim_instance(d, dv) if D is None else D
     return D is not None and (d < D or dv < D)
 
 
@@ -182,10 +210,10 @@ def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_siz
                 backward: bool = False, variant: bool = False) -> bool:
     """The mma.sync rung (compute capability 8.0 on) runs these inputs with its tiles
     (``variant``: the softcap/ALiBi instance's, which a forward below its D runs too)."""
-    D = head_dim_instance(d, dv)
+    D = instance_dim("tc", d, dv, backward, cc // 10)
     if not (dtype in TC_DTYPES and D is not None and cc >= 80):
         return False
-    variant = variant or padded(d, dv)
+    variant = variant or padded(d, dv, D)
     tiles = tc_bwd_blocks(D, cc // 10) if backward else tc_blocks(D, cc // 10, variant)
     need = smem_bytes("flash2_bwd_tc" if backward else "flash2_fwd_tc", *tiles, D, D, dtype)
     return (block_sizes is None or tuple(block_sizes) == tiles) and need <= smem_limit
@@ -283,19 +311,19 @@ def threads(kernel: str, d: int, cc: int) -> int:
 REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255, 256: 255},
-              "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 256: 249},
-              "flash2_bwd_tc_det": {64: 255, 128: 255, 256: 243},
-              "flash2_fwd_wg": {64: 128, 128: 242, 256: 230},
+              "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 192: 250, 256: 251},
+              "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
+              "flash2_fwd_wg": {64: 128, 128: 254, 256: 255},
               "flash2_bwd_wg": {64: 250, 128: 234},
               "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
-              "flash2_bwd_postprocess": 22, "flash2_fwd_tc": {64: 255, 128: 191, 256: 254},
-              "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": {64: 227, 128: 245, 256: 253},
-              "flash2_bwd_tc_det": {64: 222, 128: 244, 256: 244}, "kvcache_append": 34,
-              "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 143, 128: 187},
+              "flash2_bwd_postprocess": 22, "flash2_fwd_tc": {64: 241, 128: 190, 256: 254},
+              "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": {64: 228, 128: 244, 192: 248, 256: 250},
+              "flash2_bwd_tc_det": {64: 218, 128: 241, 192: 240, 256: 245}, "kvcache_append": 34,
+              "splitkv_fwd_tc_m16": {64: 124, 128: 158}, "splitkv_fwd_tc_m32": {64: 142, 128: 187},
               "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
 }
 
@@ -369,6 +397,10 @@ def instances(source: str | None = None) -> list[Instance]:
                         "flash2_ws.cu": WS_HEAD_DIMS}[src]
                 if k.startswith("flash2_bwd_wg"):
                     dims = WG_BWD_HEAD_DIMS
+                elif k.startswith("flash2_bwd_tc"):
+                    # every target builds them (one NVRTC module per source); Ampere
+                    # launches no D = 192 (instance_dim)
+                    dims = TC_BWD_HEAD_DIMS
                 for dt in TC_DTYPES:
                     for D in dims:
                         T, mT = CUDA_TYPES[dt], _MANGLED_T[dt]

@@ -25,7 +25,8 @@
 //                        - exp2 (one MUFU.EX2) with scale·log2(e) folded into one FMA,
 //                          deferred normalisation, ℓ kept per thread until the end;
 //                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
-//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D, VAR, VL>  the backward (below); the
+//   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D, VAR, VL>  the backward (below), at
+//                        D ∈ {64, 128, 192, 256} (192 launched on sm_90 only); the
 //                        post-pass is the reference's flash2_bwd_postprocess;
 //                        flash2_bwd_tc_det<T, D, VAR, VL> the same in deterministic mode.
 // Every kernel but the pre-pass has VAR and VL template arguments: VAR = true is the
@@ -124,11 +125,24 @@ __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
 // D = 128 forward's loop needed, and it spilled).
 template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid, int width) {
-    constexpr int CH = D / 8, RPI = THREADS / CH;   // 16-byte chunks per row, rows per pass
-    static_assert(THREADS % CH == 0, "a pass must cover whole rows");
+    constexpr int CH = D / 8;                       // 16-byte chunks per row
     // tid read through volatile asm: the compiler may not hoist it, and so keeps no
     // per-thread offsets live across the caller's loop (registers are short there)
     const unsigned tid = opaque_tid();
+    if constexpr (THREADS % CH != 0) {
+        // D = 192 (24 chunks a row): a pass does not cover whole rows, so each chunk's
+        // row and column come from its index (divisions by a constant)
+#pragma unroll
+        for (int it = 0; it < (ROWS * CH + THREADS - 1) / THREADS; ++it) {
+            const int x = tid + it * THREADS, r = x / CH, c = x % CH;
+            if ((ROWS * CH) % THREADS != 0 && x >= ROWS * CH) break;
+            if (c * 8 >= width) continue;
+            const bool ok = r < valid;
+            cp_async16(s + r * D + ((c ^ (r & 7)) << 3), g + (ok ? r * ld + c * 8 : 0), ok);
+        }
+        return;
+    }
+    constexpr int RPI = THREADS / CH;               // rows per pass
     const int c = tid % CH, r0 = tid / CH;
     if (c * 8 >= width) return;
 #pragma unroll
@@ -467,18 +481,20 @@ namespace tcb {
 // queries at D = 64, 64 at D = 128 (32 on Ampere at D = 128, where ptxas spills at 64;
 // 64 on Ampere at D = 64, where 128 needs more shared memory than an A100 has); 32 at
 // D = 256 (64 spilled in the varlen instances on sm_90, and needs 210 KB of shared
-// memory). The macro overrides it for tuning.
+// memory); 64 at D = 192 (with 32, product 3 would split 192 columns into three n-tiles
+// per warp; on Ampere this instance is built but not launched: its 163 KB of shared
+// memory plus the static bytes exceed an A100's). The macro overrides it for tuning.
 #ifndef FLASHSIM_TCB_BRB
 #define FLASHSIM_TCB_BRB 0
 #endif
 template <int D> __host__ __device__ constexpr int brb() {
-    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (FLASHSIM_TC_AMPERE || D == 256 ? (D >= 128 ? 32 : 64) : (D == 64 ? 128 : 64));
+    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (D == 192 ? 64 : FLASHSIM_TC_AMPERE || D == 256 ? (D >= 128 ? 32 : 64) : (D == 64 ? 128 : 64));
 }
 // 8 warps, in products 1 and 2 four groups of KM m-tiles of 16 keys: KM = 2 (Bc = 128
-// keys per CTA, half the dQ atomics of Bc = 64), or 1 at D = 256, where dK_j and dV_j of
-// 32 keys would take 256 registers
+// keys per CTA, half the dQ atomics of Bc = 64), or 1 at D = 192 and 256, where dK_j and
+// dV_j of 32 keys would take 192 and 256 registers
 constexpr int WARPS = 8, THREADS = 32 * WARPS;
-template <int D> __host__ __device__ constexpr int km() { return D == 256 ? 1 : 2; }
+template <int D> __host__ __device__ constexpr int km() { return D > 128 ? 1 : 2; }
 template <int D> __host__ __device__ constexpr int bc() { return 4 * 16 * km<D>(); }
 }  // namespace tcb
 
@@ -542,8 +558,10 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     const int k0 = wk * KW + g;                   // this thread's keys: k0 + {0, 8, 16, 24} (KM = 2)
     // per-thread bases of the ldmatrix addresses (swz_base, or plain for the padded Pᵀ
     // and dSᵀ). Offsets a warp adds at run time (its key group, its half) go into the
-    // base once; swz_step(swz_step(b, k0), k) = swz_step(b, k0 + k) holds because k0 is a
-    // multiple of a power of two above every k added later.
+    // base once; swz_step(swz_step(b, k0), k) = swz_step(b, k0 + k) holds where k0 is a
+    // multiple of a power of two above every k added later. At D = 192 a warp's first
+    // column step in products 2 and 3 (6 and 3 steps a warp) is not: there k0 + k is
+    // formed at each use (QT_PRE, KT_PRE false).
     //   1: K_j, V_j rows of the warp's keys (A); Q_i, dO_i rows of its queries (B)
     //   2: Pᵀ, dSᵀ rows of its keys (A); dO_i, Q_i transposed, its columns (B)
     //   3: dSᵀ transposed, its queries (A); K_j transposed, its columns (B)
@@ -552,10 +570,13 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     const unsigned kabase = swz_base<D>(sK, wk * KW + (lane & 15), lane >> 4);
     const unsigned qbbase = swz_base<D>(sQ, wh * (BrB / 2) + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
     const unsigned pabase = smem_addr(sP + (wk * KW + (lane & 15)) * SPS + ((lane >> 4) << 3));
-    const unsigned qtbase = swz_step(swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), wh * (DN / 2));
+    constexpr bool QT_PRE = ((DN / 2) & (DN / 2 - 1)) == 0, KT_PRE = ((DQ / 2) & (DQ / 2 - 1)) == 0;
+    const unsigned qtbase0 = swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const unsigned qtbase = QT_PRE ? swz_step(qtbase0, wh * (DN / 2)) : qtbase0;
     const int wq = warp % WQ, wd = warp / WQ;     // product 3: 32-query group, column group
     const unsigned dstbase = smem_addr(sdS + ((lane & 7) + ((lane >> 4) << 3)) * SPS + wq * 32 + (((lane >> 3) & 1) << 3));
-    const unsigned ktbase = swz_step(swz_base<D>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), wd * (DQ / 2));
+    const unsigned ktbase0 = swz_base<D>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const unsigned ktbase = KT_PRE ? swz_step(ktbase0, wd * (DQ / 2)) : ktbase0;
     constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2, DS_FROM_P = Bc * SPS * 2;   // bytes
     const bool ragged = cols < Bc;                // keys past Nk in this tile
 
@@ -714,7 +735,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
+                    ldmatrix_x4_trans(b, swz_step(qt, QT_PRE ? t / 2 : wh * (DN / 2) + t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
 #pragma unroll
                     for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dv_acc[mt][t], a[mt], b);
@@ -726,7 +747,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, swz_step(qt, t / 2) + kk * 16 * D * 2);
+                    ldmatrix_x4_trans(b, swz_step(qt, QT_PRE ? t / 2 : wh * (DN / 2) + t / 2) + kk * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dk_acc[mt][t], a[mt], b);
@@ -755,7 +776,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
 #pragma unroll
                 for (int t = 0; t < DQ; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, swz_step(ktbase, t / 2) + kk * 16 * D * 2);
+                    ldmatrix_x4_trans(b, swz_step(ktbase, KT_PRE ? t / 2 : wd * (DQ / 2) + t / 2) + kk * 16 * D * 2);
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
                         mma16816<T>(dq[mt][t], a[mt], b);

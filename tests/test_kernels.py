@@ -45,10 +45,10 @@ def test_every_kernel_compiles_without_spills(arch):
                 if kernels.source_arch(i.source, arch)}
     # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: 4 × 2
     # dtypes × 3 head dims (64, 128, 256) and the softcap/ALiBi and varlen instances of 3 of
-    # them; wg (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 × 3 and the
+    # them, plus the backward's 2 kernels at 192 (plain, softcap/ALiBi, varlen) × 2; wg (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 × 3 and the
     # backward's 2 kernels × 2 × 2 (64, 128); the wg forward fed by TMA (sm_90a only):
     # d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
-    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (24 + 36)
+    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (24 + 36) + 2 * 2 * 3
                                  + (18 + 24 + 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
@@ -139,3 +139,23 @@ def test_the_build_cache_reuses_reports_until_a_source_changes(tmp_path, monkeyp
     assert kernels.build("sm_80", source="square_ref.cu", instrumented=False) == first
     assert len([c for c in calls if "-cubin" in c]) == n
     assert len(list(cached.iterdir())) == 2 * n
+
+
+def test_each_rung_picks_its_own_instance_of_a_head_dim():
+    # the tc backward has a D = 192 instance on 9.0; Ampere's A100 cannot hold its tiles
+    assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=9) == 192
+    assert kernels.instance_dim("tc", 192, 128, backward=True, cc_major=9) == 192
+    assert kernels.instance_dim("tc", 192, 192, backward=True, cc_major=8) == 256
+    assert kernels.instance_dim("tc", 200, 200, backward=True, cc_major=9) == 256
+    # the forwards and the pre-pass (rows reduced by shuffles: a power of two) keep 256
+    assert kernels.instance_dim("tc", 160, 160) == kernels.pre_instance(160, 160) == 256
+    assert kernels.instance_dim("wg", 160, 160) == 256
+    assert kernels.instance_dim("wg", 160, 160, backward=True) is None
+    assert kernels.instance_dim("tc", 136, 136, backward=True) == 192
+    assert kernels.padded(136, 136, 192) and not kernels.padded(192, 192, 192)
+    assert kernels.padded(192, 192)               # below the forward's 256
+    # an A100 (166,912 bytes a CTA) runs d = 192 on the D = 256 instance; the 192 one's
+    # tiles would fill that to the byte before its static shared memory
+    assert kernels.tc_supports(192, 192, "float16", 80, 166912, backward=True)
+    assert kernels.smem_bytes("flash2_bwd_tc", *kernels.TC_BWD_BLOCKS[192], 192, 192,
+                              "float16") == 166912

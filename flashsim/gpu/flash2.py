@@ -40,14 +40,16 @@ def _tc_tiles(D: int, backward: bool, var: bool = False) -> tuple[int, int]:
     return K.tc_blocks(D, dev.cc_major(dev.cupy().cuda.Device().id), var)
 
 
-def _instance(shape: Shape) -> int | None:
-    """D of the fast rungs' instance for these head dims (kernels.head_dim_instance)."""
-    return K.head_dim_instance(shape.d, shape.dv)
+def _instance(shape: Shape, rung: str = "tc", backward: bool = False) -> int | None:
+    """D of the instance the fast rung ``rung`` runs these head dims on, in the forward or
+    the backward, on the current device (kernels.instance_dim)."""
+    cc = dev.cc_major(dev.cupy().cuda.Device().id)
+    return K.instance_dim(rung, shape.d, shape.dv, backward, cc)
 
 
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False,
                  var: bool = False) -> bool:
-    if not (dtype in K.TC_DTYPES and _instance(shape)):
+    if not (dtype in K.TC_DTYPES and K.head_dim_instance(shape.d, shape.dv)):
         return False
     # the tiles must fit the device's shared memory (not so on GPUs with 99 KB per block)
     device = dev.cupy().cuda.Device().id
@@ -176,11 +178,11 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
     var = varlen or softcap is not None or alibi_slopes is not None
     which = _choose(kernel, shape, qi.dtype, None, backward,
                     variant=_asked(window, softcap, alibi_slopes), var=var)
-    D = _instance(shape)
+    D = _instance(shape, which, backward) if which in ("tc", "wg") else None
     if which == "wg":
         return K.wg_blocks(D, backward)
     if which == "tc":
-        return _tc_tiles(D, backward, var or (not backward and K.padded(shape.d, shape.dv)))
+        return _tc_tiles(D, backward, var or (not backward and K.padded(shape.d, shape.dv, D)))
     return _blocks(None, shape, qi.dtype, backward)
 
 
@@ -261,8 +263,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
            tail=(Nq, shape.Nk, int(ld[arrays.AT_O]), left, right, scale * LOG2E, float(k_in),
                  float(k_out), 0 if isinstance(sl, np.uint64) else sl.data.ptr, io.data.ptr))
     elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, d, dv, ld…,
-        D = _instance(shape)     # band, scale); head dims below D in the VAR instance
-        var = var or K.padded(shape.d, shape.dv)
+        D = _instance(shape, which)   # band, scale); head dims below D in the VAR instance
+        var = var or K.padded(shape.d, shape.dv, D)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         else:
@@ -361,9 +363,10 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     left, right, cap, slopes, variant = _variant_args(cp, shape, dtype, causal, window,
                                                       softcap, alibi_slopes)
     which = _choose(kernel, shape, dtype, block_sizes, backward=True, variant=variant)
-    # the fast rungs' VAR instance: softcap, ALiBi, and head dims below the instance's D
-    var = softcap is not None or alibi_slopes is not None or K.padded(shape.d, shape.dv)
-    D = _instance(shape)         # the fast rungs' instance (head dims below it: predicated)
+    # the fast rungs' instance (head dims below it: predicated), and its VAR instance:
+    # softcap, ALiBi, and head dims below the instance's D
+    D = _instance(shape, which, backward=True) if which in ("tc", "wg") else None
+    var = softcap is not None or alibi_slopes is not None or K.padded(shape.d, shape.dv, D)
     if which == "wg":
         Br, Bc = K.wg_blocks(D, True)
     elif which == "tc":
@@ -400,9 +403,10 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
 
     if which in ("tc", "wg"):      # the same pre-pass; main loops of one signature
         name = "flash2_bwd_preprocess_tc"
-        dev.launch(cp, dev.kernel(name, dtype, count_io, D), grid(name), 0,
+        Dp = K.pre_instance(d, dv)
+        dev.launch(cp, dev.kernel(name, dtype, count_io, Dp), grid(name), 0,
                    (oi.arr, doi.arr, at, Dr, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO], i32(d),
-                    i32(dv), io), threads=K.threads(name, D, cc))
+                    i32(dv), io), threads=K.threads(name, Dp, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
         smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
         dev.launch(cp, dev.kernel(name, dtype, count_io, D, var), grid(name), smem,
@@ -720,14 +724,16 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
     P, dtype = B * H, ("float16" if q.dtype == torch.float16 else "bfloat16")
     cp = plan.cp
     A = arrays
-    D, pad = K.head_dim_instance(d, d), K.padded(d, d)   # as the forward plan's
     with cp.cuda.Device(q.device.index):
         if kernel != "tc" and _wg_supports(plan.shape, dtype, None, backward=True):
+            D = _instance(plan.shape, "wg", backward=True)
             name, (Br, Bc) = "flash2_bwd_wg", K.wg_blocks(D, True)
         elif kernel == "wg":
             return False         # the general path says why
         else:
+            D = _instance(plan.shape, "tc", backward=True)
             name, (Br, Bc) = "flash2_bwd_tc", _tc_tiles(D, True)
+        pad, Dp = K.padded(d, d, D), K.pre_instance(d, d)   # the VAR instance below D
         smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
         views = _views(cp, dtype, q, k, v, out, dout, torch.empty_like(q), torch.empty_like(k),
                        torch.empty_like(v))
@@ -740,9 +746,9 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
         ld = [int(x) for x in ld]
         cc = dev.cc(q.device.index)
         # (O, dO, at, D, dQacc | Nq, ldo, lddo, d, dv, io)
-        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, D), "5Q5i4xQ",
+        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, Dp), "5Q5i4xQ",
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
-                        K.threads("flash2_bwd_preprocess_tc", D, cc), 0,
+                        K.threads("flash2_bwd_preprocess_tc", Dp, cc), 0,
                         (Nq, ld[A.AT_O], ld[A.AT_dO], d, d, plan.io))
         # (Q, K, V, at, dO, L, D, dQacc, dK, dV | Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv,
         #  d, dv, left, right, scale, k_in, k_out, slopes, sem, vl, io)

@@ -32,7 +32,7 @@ from ..problem import Shape, check_scale
 from ..varlen import _check_batches, _slopes_per_sequence, check_cu_seqlens
 from ..variants import check_softcap, make_band
 from . import _arrays as arrays, _device as dev
-from .flash2 import LOG2E, _asked, _blocks, _choose, _fast_variants, _tc_tiles
+from .flash2 import LOG2E, _asked, _blocks, _choose, _fast_variants, _instance, _tc_tiles
 
 
 def _host_ints(name: str, x) -> np.ndarray:
@@ -182,7 +182,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     io = dev.counters(cp, count_io)
     i32 = np.int32
     if which in ("tc", "wg"):
-        D = K.head_dim_instance(bt.d, bt.dv)   # (its varlen instance takes any d, dv ≤ D)
+        D = _instance(bt.shape, which)   # (its varlen instance takes any d, dv ≤ D)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         else:
@@ -249,7 +249,9 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          f"{tuple(L.shape)}")
     L = cp.ascontiguousarray(L.astype(cp.float32, copy=False))
     which = bt.rung(block_sizes, backward=True)
-    Dh = K.head_dim_instance(bt.d, bt.dv)     # the fast rungs' instance
+    # the fast rung's instance (its varlen instance takes any d, dv ≤ D), and the pre-pass's
+    Dh = _instance(bt.shape, which, backward=True) if which in ("tc", "wg") else None
+    Dp = K.pre_instance(bt.d, bt.dv)
     if which == "wg":
         Br, Bc = K.wg_blocks(Dh, True)
     elif which == "tc":
@@ -290,9 +292,9 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     rows = (-(-bt.Tq // Br), bt.Hq)
     if which in ("tc", "wg"):
         name = "flash2_bwd_preprocess_tc"
-        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dh),
+        dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dp),
                    K.grid(name, bt.Tq, bt.Tk, Br, Bc, bt.Hq), 0,
-                   (*pre, i32(bt.d), i32(bt.dv), io), threads=K.threads(name, Dh, cc))
+                   (*pre, i32(bt.d), i32(bt.dv), io), threads=K.threads(name, Dp, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
         smem = K.smem_bytes(name, Br, Bc, Dh, Dh, bt.dtype)
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dh, True, True), (ctas, bt.Hq),
