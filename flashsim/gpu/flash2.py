@@ -195,11 +195,12 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     ``count_io=True``. out has q's dtype and shape (..., Nq, dv); lse is fp32 (..., Nq).
 
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
-    float16/bfloat16, d and dv multiples of 8 up to 128, run by the instance of D = 64 or
-    128 above them; tiles 128×128, 128×64 at D = 64), "tc" the tensor-core kernel
-    (mma.sync, Ampere and later; float16/bfloat16, d and dv as for "wg",
-    tiles 128×128 at D = 64 on sm_90, else 128×64), "ref" the reference kernel (any
-    dtype, d, dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref"
+    float16/bfloat16, d and dv multiples of 8 up to 256, run by the smallest instance
+    D ∈ fs.kernels.WG_HEAD_DIMS above them; at d = dv = 128 fed by the copy engine where
+    the layout allows), "tc" the tensor-core kernel (mma.sync, Ampere and later;
+    float16/bfloat16, d and dv as for "wg", instances fs.kernels.TC_HEAD_DIMS), "ref" the
+    reference kernel (any dtype, d, dv ≤ 256, any tiles); fs.gpu.block_sizes gives the
+    tiles each runs, or "auto" (default): the first of "wg", "tc", "ref"
     that supports the inputs on this device, with tiles that fit its shared memory.
 
     Variants, with `flashsim.simulate`'s semantics (flashsim.variants): ``window=(left,
