@@ -120,6 +120,10 @@ EFFICIENCY = {
     # (analysis/out/bench/head_dims_bwd192.json) over the wg backward's 297 at d = 128
     # above (head_dims.json: another process on the same device)
     ("flash2_bwd_tc", 192): 0.204, ("flash2_bwd_tc_det", 192): 0.170,
+    # the wg forward's D = 32 and D = 96 instances, the same way, from ws at d = 128 in
+    # one run at N = 4096 (analysis/out/bench/head_dims_wg32_96.json: 234 and 305 TF/s
+    # against 435)
+    ("flash2_fwd_wg", 32): 0.374, ("flash2_fwd_wg", 96): 0.486,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 

@@ -134,10 +134,12 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
 # The Hopper rung (flash2_wg.cu): warpgroup MMAs, 2 warpgroups. Forward: 64 query rows
 # each; at d = 64 two CTAs of 64-key tiles share an SM (kernels_cu/NOTES.md, v7).
 # Backward: 64 keys each (Bc = 128), steps of Br queries, the tiles of the tc backward
-WG_HEAD_DIMS = (64, 128, 256)
+# D = 32 and 96 lay their tiles in 32-column blocks (the 64-byte swizzle; wgmma.cuh's Cols)
+WG_HEAD_DIMS = (32, 64, 96, 128, 256)
 WG_BWD_HEAD_DIMS = (64, 128)    # the backward's dK_j, dV_j of 64 keys do not fit at 256
-# (D = 256: 64 keys, S beside O's 128 registers; tc's backward runs it)
-WG_BLOCKS = {64: (128, 64), 128: (128, 128), 256: (128, 64)}
+# (D = 256: 64 keys, S beside O's 128 registers; tc's backward runs it; D = 32 and 64: two
+# CTAs of 64-key tiles per SM; D = 96 as 128: at two CTAs per SM its 128 registers spill)
+WG_BLOCKS = {32: (128, 64), 64: (128, 64), 96: (128, 128), 128: (128, 128), 256: (128, 64)}
 WG_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
@@ -313,7 +315,7 @@ REGISTERS = {
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255, 256: 255},
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 192: 250, 256: 251},
               "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
-              "flash2_fwd_wg": {64: 128, 128: 254, 256: 255},
+              "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 250, 256: 255},
               "flash2_bwd_wg": {64: 250, 128: 234},
               "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {128: 168},
               "kvcache_append": 32,

@@ -1,11 +1,12 @@
 // flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
-//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128, 256}: head
-//                        dims d, dv ≤ D, multiples of 8 (the columns past them zero-filled
-//                        by the loads and never stored; so too in the backward below),
-//                        tiles Br × Bc = 128 × 128 (D = 128), 128 × 64 (D = 64, two CTAs
-//                        per SM; D = 256, P V as two 64 × 128 products per k-step). Over
+//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, 96, 128,
+//                        256}: head dims d, dv ≤ D, multiples of 8 (the columns past them
+//                        zero-filled by the loads and never stored; so too in the backward
+//                        below), tiles Br × Bc = 128 × 128 (D = 96, 128), 128 × 64 (D = 32,
+//                        64, two CTAs per SM; D = 256, P V as two 64 × 128 products per
+//                        k-step). Over
 //                        flash2_fwd_tc it changes how the
 //                        products run:
 //                        - wgmma.mma_async m64nNk16: a warpgroup (4 warps) issues one
@@ -17,9 +18,11 @@
 //                        - Q_i and K_j are read by the tensor cores straight from shared
 //                          memory (K-major), V_j too (MN-major, the instruction transposes
 //                          it), so no ldmatrix; P stays in registers as the A operand;
-//                        - shared tiles in the 128-byte swizzle the tensor cores read:
-//                          rows of 64 halves (128 bytes), 16-byte chunk c of row r at
-//                          c ^ (r & 7), a tile of D columns as D/64 such column blocks;
+//                        - shared tiles in the swizzle the tensor cores read (wgmma.cuh's
+//                          Cols<D>): column blocks of 64 halves, rows of 128 bytes, 16-byte
+//                          chunk c of row r at c ^ (r & 7) (the 128-byte swizzle); at D = 32
+//                          and 96 blocks of 32 halves, rows of 64 bytes, c ^ ((r >> 1) & 3)
+//                          (the 64-byte one), so that D is whole blocks;
 //                        - each step issues S_j = Q_i K_jᵀ and O_i += P_{j−1} V_{j−1}
 //                          together and waits for S_j alone: the softmax of tile j runs
 //                          while the tensor cores do the second product;
@@ -40,7 +43,9 @@ namespace wg {
 // The shipped tiles (flashsim/kernels.py's WG_BLOCKS): two warpgroups (Br = 128); at
 // D = 128 Bc = 128, one CTA per SM (189 registers); at D = 64 Bc = 64 and two CTAs per SM
 // (108 registers, 49 KB of shared memory each), +9–18% over one CTA of Bc = 128 on an
-// H100 (kernels_cu/NOTES.md, v7). The macros override them for tuning (0 = the default).
+// H100 (kernels_cu/NOTES.md, v7); D = 32 as 64 (v20: +6–12% over Bc = 128 with two CTAs,
+// +19–22% over one), D = 96 as 128 (at 128 registers, two CTAs' bound, it spills). The
+// macros override them for tuning (0 = the default).
 #ifndef FLASHSIM_WG_WARPGROUPS
 #define FLASHSIM_WG_WARPGROUPS 2
 #endif
@@ -52,29 +57,43 @@ namespace wg {
 #endif
 constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS;
 // (D = 256: 64 keys, so that S (32 registers) fits beside O (128))
-template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 128 ? 128 : 64); }
-template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D == 64 ? 2 : 1); }
+template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 96 || D == 128 ? 128 : 64); }
+template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D < 96 ? 2 : 1); }
 
 // rows [0, valid) of a ROWS × D tile (global: rows ld elements apart, `width` ≤ D
 // contiguous; the instance's columns past a smaller head dim are zero-filled) into
-// the swizzled layout above, 16 bytes per thread per pass; a thread keeps its chunk
-// column in every pass (THREADS / (D/8) rows per pass, a multiple of 8, so its swizzle is
-// fixed too)
+// wgmma.cuh's Cols<D> layout, 16 bytes per thread per pass. Where the D/8 chunks of a row
+// divide the threads, a thread keeps its chunk column in every pass (THREADS / (D/8) rows
+// per pass, a multiple of 8, so its swizzle is fixed too); else (D = 96: 12 chunks) each
+// chunk's row and column come from its index.
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(unsigned s, const T* g, int ld, int valid, int width) {
-    constexpr int CH = D / 8, RPI = THREADS / CH;
-    static_assert(RPI % 8 == 0, "a pass must cover whole 8-row groups");
+    using CL = Cols<D>;
+    constexpr int CH = D / 8, CPB = CL::W / 8;       // 16-byte chunks per row, per block row
     unsigned tid;
     asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-    const int c = tid % CH, r0 = tid / CH;
-    const bool in = c * 8 < width;                   // width: a multiple of 8
-    const unsigned dst = s + (c >> 3) * (ROWS * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+    if constexpr (THREADS % CH == 0) {
+        constexpr int RPI = THREADS / CH;
+        static_assert(RPI % 8 == 0, "a pass must cover whole 8-row groups");
+        const int c = tid % CH, r0 = tid / CH;
+        const bool in = c * 8 < width;               // width: a multiple of 8
+        const unsigned dst = s + (c / CPB) * (ROWS * CL::RB) + r0 * CL::RB + (((c % CPB) ^ CL::swz(r0)) << 4);
 #pragma unroll
-    for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
-        const int r = r0 + it * RPI;
-        if (ROWS % RPI != 0 && r >= ROWS) break;     // only when the passes overshoot
-        const bool ok = r < valid && in;
-        cp_async16(dst + it * RPI * 128, g + (ok ? r * ld + c * 8 : 0), ok);
+        for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
+            const int r = r0 + it * RPI;
+            if (ROWS % RPI != 0 && r >= ROWS) break; // only when the passes overshoot
+            const bool ok = r < valid && in;
+            cp_async16(dst + it * RPI * CL::RB, g + (ok ? r * ld + c * 8 : 0), ok);
+        }
+    } else {
+        static_assert(ROWS * CH % THREADS == 0, "whole passes");
+#pragma unroll
+        for (int it = 0; it < ROWS * CH / THREADS; ++it) {
+            const int x = tid + it * THREADS, r = x / CH, c = x % CH;
+            const bool ok = r < valid && c * 8 < width;
+            cp_async16(s + (c / CPB) * (ROWS * CL::RB) + r * CL::RB + (((c % CPB) ^ CL::swz(r)) << 4),
+                       g + (ok ? r * ld + c * 8 : 0), ok);
+        }
     }
 }
 
@@ -91,7 +110,8 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
+    static_assert(D == 32 || D == 64 || D == 96 || D == 128 || D == 256, "head dims 32, 64, 96, 128, 256");
+    using CL = Cols<D>;
     constexpr int Bc = bc<D>();
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address bits, so tiles start on 1024 bytes
@@ -150,9 +170,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             // the VAR instance (which runs head dims below D) stops at d: its columns past
             // d are zeros (d ≥ 8: the first step, which sets S, always runs)
             if (VAR && kk > 0 && kk * 16 >= d) break;
-            const unsigned step = (kk & 3) << 5;     // 16 columns = 32 bytes into the block
-            const unsigned long long da = desc(sQ + (kk >> 2) * (Br * 128) + grp * 64 * 128 + step, 16, 1024);
-            const unsigned long long db = desc(kb + (kk >> 2) * (Bc * 128) + step, 16, 1024);
+            const unsigned blk = kk / CL::KSTEPS;    // the column block, and 16 columns =
+            const unsigned step = (kk % CL::KSTEPS) << 5;   // 32 bytes into it per k-step
+            const unsigned long long da = desc(sQ + blk * (Br * CL::RB) + grp * 64 * CL::RB + step, 16, CL::SBO, CL::MODE);
+            const unsigned long long db = desc(kb + blk * (Bc * CL::RB) + step, 16, CL::SBO, CL::MODE);
             Wgmma<T, Bc>::ss(s, da, db, kk > 0);
         }
         wgmma_commit();
@@ -167,7 +188,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                 Wgmma<T, 128>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
                 Wgmma<T, 128>::rs(o + 64, pf[kk], desc(vb + 2 * Bc * 128 + kk * 16 * 128, Bc * 128, 1024));
             } else {
-                Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+                Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE));
             }
         }
         wgmma_commit();

@@ -14,16 +14,31 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
 // leading- and stride-dimension byte offsets, all in 16-byte units, and the swizzle mode
-// (1 = 128 bytes). For the K-major tiles (Q_i as A, K_j as B) one instruction reads 16
-// columns of one 64-column block: 8-row groups are 1024 bytes apart (SBO) and the leading
-// offset is unused. For V_j (B, MN-major) one instruction reads 16 keys × D columns:
-// 8-key groups are 1024 bytes apart (SBO), the 64-column blocks Bc·128 bytes (LBO).
-__device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, unsigned sbo) {
+// (1 = 128 bytes, 2 = 64 bytes). For the K-major tiles (Q_i as A, K_j as B) one
+// instruction reads 16 columns of one column block: 8-row groups are 8 rows of the block
+// apart (SBO) and the leading offset is unused. For V_j (B, MN-major) one instruction
+// reads 16 keys × D columns: 8-key groups SBO apart, the column blocks Bc rows (LBO).
+__device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, unsigned sbo,
+                                                   unsigned swizzle = 1) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4)
          | (unsigned long long)((lbo >> 4) & 0x3FFF) << 16
          | (unsigned long long)((sbo >> 4) & 0x3FFF) << 32
-         | 1ull << 62;
+         | (unsigned long long)swizzle << 62;
 }
+
+// How a tile of D columns lies in shared memory: D/W column blocks of W columns, each
+// ROWS rows of RB = 2W bytes, 16-byte chunk c of row r at c ^ swz(r). W = 64 (rows of
+// 128 bytes, the 128-byte swizzle: c ^ (r & 7)) where 64 divides D; else W = 32 (D = 32,
+// 96: rows of 64 bytes, the 64-byte swizzle, c ^ ((r >> 1) & 3)), so that every block is
+// whole and one descriptor mode serves the tile. Both patterns repeat every 8 rows.
+template <int D> struct Cols {
+    static constexpr int W = D % 64 == 0 ? 64 : 32;
+    static constexpr int RB = 2 * W;             // bytes per row of a block
+    static constexpr int SBO = 8 * RB;           // bytes per 8-row group
+    static constexpr int KSTEPS = W / 16;        // 16-column k-steps per block
+    static constexpr unsigned MODE = W == 64 ? 1 : 2;   // the descriptor's swizzle mode
+    static __device__ __forceinline__ int swz(int r) { return W == 64 ? (r & 7) : ((r >> 1) & 3); }
+};
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -118,6 +133,43 @@ template <> struct Wgmma<CTY, 128> {                                            
 };
 FLASHSIM_WGMMA_128(__half, "f16")
 FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
+// the P V_j products of the D = 32 and D = 96 instances (rs alone)
+#define FLASHSIM_WGMMA_RS_32(CTY, TY)                                                                                 \
+template <> struct Wgmma<CTY, 32> {                                                                                   \
+    /* D (64 × 32) += A B, A from registers, B from shared memory MN-major */                                         \
+    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                    \
+        asm volatile(                                                                                                 \
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                               \
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"                                                 \
+            ", {%16, %17, %18, %19}, %20, 1, 1, 1, 1;\n"                                                              \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])    \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                                    \
+    }                                                                                                                 \
+};
+FLASHSIM_WGMMA_RS_32(__half, "f16")
+FLASHSIM_WGMMA_RS_32(__nv_bfloat16, "bf16")
+#define FLASHSIM_WGMMA_RS_96(CTY, TY)                                                                                 \
+template <> struct Wgmma<CTY, 96> {                                                                                   \
+    /* D (64 × 96) += A B, A from registers, B from shared memory MN-major */                                         \
+    static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                    \
+        asm volatile(                                                                                                 \
+            "wgmma.mma_async.sync.aligned.m64n96k16.f32." TY "." TY " "                                               \
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                 \
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                        \
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}"                                        \
+            ", {%48, %49, %50, %51}, %52, 1, 1, 1, 1;\n"                                                              \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])  \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                                    \
+    }                                                                                                                 \
+};
+FLASHSIM_WGMMA_RS_96(__half, "f16")
+FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 
 // -- the forwards' online softmax on a warpgroup's S (flash2_fwd_wg, flash2_fwd_ws) -------
 // S_j is this warpgroup's 64 × Bc tile in the m64nNk16 accumulator layout: register 4t + e
@@ -168,8 +220,11 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
     a1 = ex2(m1 - ms1);
     m0 = mx0;
     m1 = mx1;
-    l0 *= a0;
-    l1 *= a1;
+    // rounded here (mul.rn: never fused into the FADD below), so that every build of a
+    // kernel, fast or instrumented, adds the same ℓ·α: ptxas may fuse a plain mul.f32
+    // into the add that follows in one build and not in another
+    l0 = __fmul_rn(l0, a0);
+    l1 = __fmul_rn(l1, a1);
 #pragma unroll
     for (int t = 0; t < Bc / 8; ++t) {
         s[4 * t] = ex2(fmaf(s[4 * t], sl2, -ms0));

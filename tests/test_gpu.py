@@ -422,10 +422,12 @@ def test_torch_inputs_on_a_side_stream():
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype, d", [("bfloat16", 128), ("float16", 64)])
+@pytest.mark.parametrize("dtype, d", [("bfloat16", 128), ("float16", 64), ("bfloat16", 32),
+                                      ("float16", 96), ("bfloat16", 80)])
 def test_torch_fast_path_equals_the_general_path(causal, dtype, d):
     """Contiguous (B, H, N, d) tensors take the cached-plan path; count_io=True takes the
-    general one through the instrumented build: same bits, GQA included."""
+    general one through the instrumented build: same bits, GQA included (and the same
+    instance: each rung has its own head dims, kernels.instance_dim)."""
     tdt = getattr(torch, dtype)
     q = torch.randn(2, 6, 333, d, device="cuda", dtype=tdt)
     k, v = (torch.randn(2, 3, 517, d, device="cuda", dtype=tdt) for _ in range(2))
@@ -535,6 +537,24 @@ def test_odd_shapes_tensor_core(poisoned, kernel, Nq, Nk, d, dtype, causal):
     rnd = make_precision("kernel", dtype).io_round
     q, k, v = (rnd(random_tensor(rng, (2, 3, n, d))).astype(np.float64) for n in (Nq, Nk, Nk))
     check_forward(q, k, v, dtype, causal, None, kernel=kernel)
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("D", fs.kernels.WG_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_every_hopper_forward_instance(poisoned, D, dtype):
+    """Each instance of the wg forward (tiles in 32-column blocks with the 64-byte swizzle
+    at D = 32 and 96, in 64-column blocks with the 128-byte one at 64, 128, 256): at
+    d = dv = D (its plain build) and below D with dv ≠ d (its padded one), ragged tiles,
+    GQA, causal and not, against the simulator with exact counts."""
+    rng = np.random.default_rng(D)
+    rnd = make_precision("kernel", dtype).io_round
+    for d, dv, causal in ((D, D, False), (D, D, True), (D - 8, max(8, D // 16 * 8), True)):
+        q = rnd(random_tensor(rng, (1, 4, 203, d))).astype(np.float64)
+        k = rnd(random_tensor(rng, (1, 2, 317, d))).astype(np.float64)
+        v = rnd(random_tensor(rng, (1, 2, 317, dv))).astype(np.float64)
+        assert fs.kernels.instance_dim("wg", d, dv) == D
+        check_forward(q, k, v, dtype, causal, None, kernel="wg")
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")

@@ -353,13 +353,15 @@ def test_grids_threads_and_occupancy():
     assert post.grid == (4096 // 64, 8) and main.reduces == ("dQacc",)
     (a,) = h.launches(make_shape(Nq=512, Nk=512, d=64), "bfloat16", "A100")
     assert a.kernel == "flash2_fwd_tc" and (a.Br, a.Bc) == K.TC_BLOCKS_AMPERE[64]
-    # d = 80 runs the Hopper instance of D = 128 (its columns past 80 zeroed on chip),
+    # d = 80 runs the Hopper instance of D = 96 (its columns past 80 zeroed on chip),
     # whose η counts the useful share of its products; d = 84 (no 16-byte rows) the
     # reference rung
     (w,) = h.launches(make_shape(Nq=512, Nk=512, d=80), "float16", H100)
-    assert w.kernel == "flash2_fwd_wg" and (w.Br, w.Bc) == K.WG_BLOCKS[128]
+    assert w.kernel == "flash2_fwd_wg" and (w.Br, w.Bc) == K.WG_BLOCKS[96]
     assert h.efficiency("flash2_fwd_wg", 80) == pytest.approx(
-        h.EFFICIENCY["flash2_fwd_wg", 128] * 80 / 128)
+        h.EFFICIENCY["flash2_fwd_wg", 96] * 80 / 96)
+    assert h.efficiency("flash2_fwd_wg", 112) == pytest.approx(
+        h.EFFICIENCY["flash2_fwd_wg", 128] * 112 / 128)
     (a80,) = h.launches(make_shape(Nq=512, Nk=512, d=80), "float16", "A100")
     assert a80.kernel == "flash2_fwd_tc" and (a80.Br, a80.Bc) == K.tc_blocks(128, 8, True)
     (r,) = h.launches(make_shape(Nq=512, Nk=512, d=84), "float16", H100)

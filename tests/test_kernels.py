@@ -45,11 +45,12 @@ def test_every_kernel_compiles_without_spills(arch):
                 if kernels.source_arch(i.source, arch)}
     # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: 4 × 2
     # dtypes × 3 head dims (64, 128, 256) and the softcap/ALiBi and varlen instances of 3 of
-    # them, plus the backward's 2 kernels at 192 (plain, softcap/ALiBi, varlen) × 2; wg (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 × 3 and the
-    # backward's 2 kernels × 2 × 2 (64, 128); the wg forward fed by TMA (sm_90a only):
-    # d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
+    # them, plus the backward's 2 kernels at 192 (plain, softcap/ALiBi, varlen) × 2; wg
+    # (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 dtypes × 5 head dims
+    # (32, 64, 96, 128, 256) and the backward's 2 kernels × 2 × 2 (64, 128); the wg forward
+    # fed by TMA (sm_90a only): d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (24 + 36) + 2 * 2 * 3
-                                 + (18 + 24 + 4 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (30 + 24 + 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)

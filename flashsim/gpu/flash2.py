@@ -624,14 +624,17 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         if views is None:
             return False                                # the general path copies
         shape = Shape(Nq, Nk, d, d, (B, H), (B, H), (B, Hk), H // Hk)
-        # the instance of head dim D ≥ d; below it, its VAR instance (kernels.padded)
-        D, pad = K.head_dim_instance(d, d), K.padded(d, d)
+        # the rung's instance of head dim D ≥ d (each rung has its own: kernels.
+        # instance_dim); below it, its VAR instance (kernels.padded)
         if kernel != "tc" and _wg_supports(shape, dtype, None):   # Hopper: warpgroup MMAs
+            D = K.instance_dim("wg", d, d)
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         elif kernel == "wg":
             return False                                # the general path says why not
         else:
-            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, pad)
+            D = K.instance_dim("tc", d, d, cc_major=dev.cc_major(q.device.index))
+            name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, K.padded(d, d, D))
+        pad = K.padded(d, d, D)
         threads = K.threads(name, D, dev.cc(q.device.index))
         smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
         if smem > dev.smem_limit():
