@@ -124,6 +124,9 @@ EFFICIENCY = {
     # one run at N = 4096 (analysis/out/bench/head_dims_wg32_96.json: 234 and 305 TF/s
     # against 435)
     ("flash2_fwd_wg", 32): 0.374, ("flash2_fwd_wg", 96): 0.486,
+    # the copy-engine forward at D = 64 and 96 (its own run at N = 4096,
+    # analysis/out/bench/ws_64_96.json: 327 and 408 TF/s) against that ws at 128
+    ("flash2_fwd_ws", 64): 0.521, ("flash2_fwd_ws", 96): 0.650,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
@@ -304,6 +307,8 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
     if rung in ("tc", "wg"):                       # the fast rungs' instance
         D = K.instance_dim(rung, shape.d, shape.dv, backward, cc // 10)
         if rung == "wg":
+            if _copy_engine_forward(shape, block_sizes, backward):
+                return K.WS_BLOCKS[D]
             return K.wg_blocks(D, backward)
         if backward:
             return K.tc_bwd_blocks(D, cc // 10)
@@ -318,6 +323,14 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
                              f"{hw.smem_per_block}. Use smaller block_sizes.")
         return Br, Bc
     return K.default_block_sizes(shape.d, shape.dv, dtype, hw.smem_per_block, backward)
+
+
+def _copy_engine_forward(shape: Shape, block_sizes, backward: bool) -> bool:
+    """The Hopper rung's forward of these head dims is flash2_fwd_ws (fed by the copy
+    engine, kernels.ws_runs) with ``block_sizes`` (None: its own tiles)."""
+    D = K.instance_dim("wg", shape.d, shape.dv, backward)
+    return (K.ws_runs(shape.d, shape.dv, D, backward)
+            and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D]))
 
 
 def _instance_of(kernel: str, d: int, dv: int, cc: int = 90) -> int | None:
@@ -363,9 +376,9 @@ def launches(shape: Shape, io_dtype, hardware, *, backward: bool = False,
     Br, Bc = kernel_tiles(rung, shape, dtype, hw, block_sizes, backward)
     if not backward:
         name = {"wg": "flash2_fwd_wg", "tc": "flash2_fwd_tc", "ref": "flash2_fwd"}[rung]
-        if rung == "wg" and shape.d == shape.dv and shape.d in K.WS_HEAD_DIMS:
+        if rung == "wg" and _copy_engine_forward(shape, block_sizes, backward):
             # the forward fed by the copy engine, as flashsim.gpu launches it for rows TMA
-            # can address (a dense layout: the model's); its tiles are wg's
+            # can address (a dense layout: the model's), with its own tiles
             name = "flash2_fwd_ws"
         return (_make_launch(name, shape, dtype, hw, Br, Bc),)
     if rung in ("tc", "wg"):

@@ -144,13 +144,15 @@ WG_BWD_BLOCKS = {64: (128, 128), 128: (64, 128)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
-# address (flashsim/gpu/_tma.py): WG_BLOCKS' tiles, a producer warpgroup beside the two
-# consumers, K/V in a ring of WS_STAGES slots, one CTA per SM.
+# address (flashsim/gpu/_tma.py) at d = dv = D ∈ WS_HEAD_DIMS: a producer warpgroup
+# beside the two consumers, K/V in a ring of WS_STAGES slots, one CTA per SM, tiles
+# WS_BLOCKS (WG_BLOCKS' at 96 and 128; at 64 one CTA of 128 × 64 measured 0.86–0.93× the
+# cp.async kernel's two, 128 × 128 faster: NOTES v16, v21). Elsewhere (packed varlen
+# batches, head dims below D, FLASHSIM_TMA=0) flash2_fwd_wg runs, with WG_BLOCKS.
 WS_THREADS = 384
 WS_STAGES = 2
-# d = 128 only: at d = 64 the same tiles (128 × 64, now one CTA per SM, where the
-# cp.async kernel runs two) measured 0.86–0.93× flash2_fwd_wg (NOTES v16)
-WS_HEAD_DIMS = (128,)
+WS_HEAD_DIMS = (64, 96, 128)
+WS_BLOCKS = {64: (128, 128), 96: (128, 128), 128: (128, 128)}
 
 
 def source_arch(source: str, arch: str) -> str | None:
@@ -202,10 +204,18 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
     D = head_dim_instance(d, dv, WG_BWD_HEAD_DIMS if backward else WG_HEAD_DIMS)
     if not (dtype in TC_DTYPES and D is not None and cc == WG_COMPUTE_CAPABILITY):
         return False
-    tiles = wg_blocks(D, backward)
-    kernel = "flash2_bwd_wg" if backward else "flash2_fwd_wg"
-    return ((block_sizes is None or tuple(block_sizes) == tiles)
-            and smem_bytes(kernel, *tiles, D, D, dtype) <= smem_limit)
+    runs = [("flash2_bwd_wg" if backward else "flash2_fwd_wg", wg_blocks(D, backward))]
+    if ws_runs(d, dv, D, backward):      # the forward fed by the copy engine: its tiles
+        runs.append(("flash2_fwd_ws", WS_BLOCKS[D]))
+    return any((block_sizes is None or tuple(block_sizes) == tiles)
+               and smem_bytes(kernel, *tiles, D, D, dtype) <= smem_limit
+               for kernel, tiles in runs)
+
+
+def ws_runs(d: int, dv: int, D: int | None, backward: bool = False) -> bool:
+    """The Hopper forward of head dims d, dv (instance D) is the one fed by the copy engine
+    (flash2_ws.cu) on inputs whose rows a tensor map addresses: d = dv = D ∈ WS_HEAD_DIMS."""
+    return not backward and d == dv == D and D in WS_HEAD_DIMS
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
@@ -317,7 +327,7 @@ REGISTERS = {
               "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
               "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 250, 256: 255},
               "flash2_bwd_wg": {64: 250, 128: 234},
-              "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {128: 168},
+              "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {64: 168, 96: 168, 128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},

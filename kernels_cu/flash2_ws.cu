@@ -1,16 +1,18 @@
 // flash2_ws.cu: the Hopper forward fed by the copy engine, with specialised warps.
 //
-//   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D = 128 shipped (d = dv = D;
-//                        D = 64 builds, for tuning: at flash2_fwd_wg's 128 × 64 tiles it
-//                        ran slower than that kernel, NOTES v16):
-//                        the tiles, schedule, visited tiles and so the traffic of
-//                        flash2_fwd_wg (Br = 128; Bc = 128 at D = 128, 64 at D = 64), its
+//   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d = dv
+//                        = D): the schedule, visited tiles and so the traffic of
+//                        flash2_fwd_wg with tiles of 128 × 128 (at D = 96 and 128 its
+//                        own; at D = 64 the cp.async kernel takes 128 × 64, two CTAs per
+//                        SM, where one CTA of these measured faster here, NOTES v16, v21),
+//                        its shared layout (wgmma.cuh's Cols<D>: 64-byte-swizzled blocks
+//                        of 32 columns at D = 96), its
 //                        two consumer warpgroups of 64 query rows and their loop (S_j and
 //                        P_{j−1} V_{j−1} issued together, the softmax of tile j beside the
 //                        second product). Over flash2_fwd_wg it changes who moves the data:
 //                        - a producer warpgroup, of which one thread issues the loads: TMA
 //                          (cp.async.bulk.tensor) copies of Q_i and of K_j, V_j into a ring
-//                          of STAGES slots. The copy engine writes the tiles in the 128-byte
+//                          of STAGES slots. The copy engine writes the tiles in the 128- (or 64-)byte
 //                          swizzle the tensor cores read (the tensor map's swizzle mode,
 //                          flash2_wg.cu's layout), zero-fills rows past N, and completes a
 //                          slot's "full" mbarrier by its byte count; the consumers free a slot
@@ -51,12 +53,12 @@ using namespace wg;
 constexpr int CONSUMERS = 2, THREADS = 128 * (1 + CONSUMERS), Br = 64 * CONSUMERS;
 constexpr int STAGES = FLASHSIM_WS_STAGES;
 #ifndef FLASHSIM_WS_BC64
-#define FLASHSIM_WS_BC64 64
+#define FLASHSIM_WS_BC64 128
 #endif
 #ifndef FLASHSIM_WS_MINB64
 #define FLASHSIM_WS_MINB64 1
 #endif
-// flashsim/kernels.py's WG_BLOCKS, as flash2_fwd_wg's (the macros: for tuning)
+// flashsim/kernels.py's WS_BLOCKS (the macros: for tuning)
 template <int D> __host__ __device__ constexpr int bc() { return D == 64 ? FLASHSIM_WS_BC64 : 128; }
 // one CTA per SM: two at D = 64 would leave the consumers 104 registers, and they spill
 template <int D> __host__ __device__ constexpr int min_blocks() { return D == 64 ? FLASHSIM_WS_MINB64 : 1; }
@@ -79,7 +81,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
               const float* __restrict__ slopes, unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace ws;
-    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(D == 64 || D == 96 || D == 128, "head dims 64, 96 and 128");
+    using CL = Cols<D>;
     constexpr int Bc = bc<D>();
     constexpr unsigned TILE_Q = Br * D * 2, TILE_KV = Bc * D * 2;   // bytes of one tile
     extern __shared__ unsigned char smem_raw[];
@@ -134,7 +137,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                       cv = crd[6 * p + 4], zv = crd[6 * p + 5];
             mbar_expect_tx(bQ, TILE_Q);              // HBM→SRAM: Q_i (Br·d)
 #pragma unroll
-            for (int cb = 0; cb < D / 64; ++cb) tma_load_3d(sQ + cb * Br * 128, &tmQ, cq + cb * 64, i0, zq, bQ);
+            for (int cb = 0; cb < D / CL::W; ++cb) tma_load_3d(sQ + cb * Br * CL::RB, &tmQ, cq + cb * CL::W, i0, zq, bQ);
             for (int n = 0; n <= jhi - jlo; ++n) {
                 const int s = n % STAGES;
                 const unsigned ph = (n / STAGES) & 1;
@@ -142,13 +145,13 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                 mbar_wait(emptyK(s), ph ^ 1);        // the slot's last K has been read
                 mbar_expect_tx(fullK(s), TILE_KV);   // HBM→SRAM: K_j (Bc·d)
 #pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb)
-                    tma_load_3d(sK + s * TILE_KV + cb * Bc * 128, &tmK, ck + cb * 64, j0, zk, fullK(s));
+                for (int cb = 0; cb < D / CL::W; ++cb)
+                    tma_load_3d(sK + s * TILE_KV + cb * Bc * CL::RB, &tmK, ck + cb * CL::W, j0, zk, fullK(s));
                 mbar_wait(emptyV(s), ph ^ 1);
                 mbar_expect_tx(fullV(s), TILE_KV);   // HBM→SRAM: V_j (Bc·d)
 #pragma unroll
-                for (int cb = 0; cb < D / 64; ++cb)
-                    tma_load_3d(sV + s * TILE_KV + cb * Bc * 128, &tmV, cv + cb * 64, j0, zv, fullV(s));
+                for (int cb = 0; cb < D / CL::W; ++cb)
+                    tma_load_3d(sV + s * TILE_KV + cb * Bc * CL::RB, &tmV, cv + cb * CL::W, j0, zv, fullV(s));
             }
         }
         return;
@@ -180,9 +183,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     auto issue_s = [&](unsigned kb) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned step = (kk & 3) << 5;     // 16 columns = 32 bytes into the block
-            const unsigned long long da = desc(sQ + (kk >> 2) * (Br * 128) + cw * 64 * 128 + step, 16, 1024);
-            const unsigned long long db = desc(kb + (kk >> 2) * (Bc * 128) + step, 16, 1024);
+            const unsigned blk = kk / CL::KSTEPS;    // the column block, and 16 columns =
+            const unsigned step = (kk % CL::KSTEPS) << 5;   // 32 bytes into it per k-step
+            const unsigned long long da = desc(sQ + blk * (Br * CL::RB) + cw * 64 * CL::RB + step, 16, CL::SBO, CL::MODE);
+            const unsigned long long db = desc(kb + blk * (Bc * CL::RB) + step, 16, CL::SBO, CL::MODE);
             Wgmma<T, Bc>::ss(s, da, db, kk > 0);
         }
         wgmma_commit();
@@ -191,7 +195,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     auto issue_pv = [&](unsigned vb) {
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk)
-            Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
+            Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE));
         wgmma_commit();
     };
     // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T

@@ -629,6 +629,50 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d", [64, 96])
+def test_the_tma_forward_at_other_head_dims(monkeypatch, d):
+    """flash2_fwd_ws at d = 64 (its own 128 × 128 tiles, where flash2_fwd_wg takes 128 × 64)
+    and 96: block_sizes names the tiles that run, with the copy engine and without
+    (FLASHSIM_TMA=0), and each build counts the simulator's bytes for them; a layout
+    whose tensor maps are refused is copied and run with the reported tiles."""
+    import cupy as cp
+    from flashsim.gpu import flash2
+    calls = []
+    real = flash2._WsForward.__call__
+    monkeypatch.setattr(flash2._WsForward, "__call__",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    rng = np.random.default_rng(d)
+    rnd = make_precision("kernel", "float16").io_round
+    q = rnd(random_tensor(rng, (2, 3, 333, d))).astype(np.float64)
+    k, v = (rnd(random_tensor(rng, (2, 3, 517, d))).astype(np.float64) for _ in range(2))
+    qd, kd, vd = (cp.asarray(x.astype(np.float16)) for x in (q, k, v))
+
+    def run(tiles):
+        out, lse, traffic = fs.gpu.attention(qd, kd, vd, causal=True, count_io=True)
+        assert fs.gpu.block_sizes(qd, vd) == tiles
+        sim = fs.simulate(q, k, v, "flash2", block_sizes=tiles, causal=True, io_dtype="float16")
+        assert traffic == sim.traffic, traffic.diff(sim.traffic)
+        assert np.abs(host(out) - sim.out).max() <= 1e-2 * np.abs(sim.out).max()
+        return host(out)
+
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    ws = run(fs.kernels.WS_BLOCKS[d])
+    assert len(calls) == 1
+    monkeypatch.setenv("FLASHSIM_TMA", "0")
+    run(fs.kernels.WG_BLOCKS[d])
+    assert len(calls) == 1
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    refused = []
+    plan = flash2._tma.plan
+    monkeypatch.setattr(flash2._tma, "plan",
+                        lambda *a: refused.append(1) if not refused else plan(*a))
+    assert np.array_equal(run(fs.kernels.WS_BLOCKS[d]), ws) and refused == [1]
+    # d = 64: copied, then run by the copy engine with its tiles; d = 96: flash2_fwd_wg,
+    # whose tiles (and so bits) are the same
+    assert len(calls) == (2 if fs.kernels.WS_BLOCKS[d] != fs.kernels.WG_BLOCKS[d] else 1)
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 def test_the_sm90a_build_is_cached_on_disk(monkeypatch, tmp_path):
     """NVRTC's sm_90a cubin is kept under CUPY_CACHE_DIR and read back by a new process
     (here: a cleared in-memory cache, and a compiler that must not be called)."""

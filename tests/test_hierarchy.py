@@ -417,8 +417,11 @@ def test_a_user_gpu():
                dram_sustained_bytes_per_s=2.5e12, l2_bytes_per_s=6e12, smem_per_sm=228 * 1024,
                l1_smem_per_sm=256 * 1024, smem_per_block=227 * 1024, num_sms=100,
                l2_bytes=32 * 2**20, source="made up")
-    p = fs.count("flash2", Nq=4096, Nk=4096, d=64, hardware=mine)
+    # d = 32: flash2_fwd_wg, two CTAs per SM; d = 64: flash2_fwd_ws, one
+    p = fs.count("flash2", Nq=4096, Nk=4096, d=32, hardware=mine)
     assert p.launches[0].launch.slots == 200 and p.time_s > 0
+    p = fs.count("flash2", Nq=4096, Nk=4096, d=64, hardware=mine)
+    assert p.launches[0].launch.slots == 100 and p.time_s > 0
 
 
 # -- the API ------------------------------------------------------------------------------
@@ -429,7 +432,7 @@ def test_hardware_in_simulate_and_backward_equals_count():
     r = fs.simulate(q, k, v, "flash2", causal=True, hardware="H100")
     c = fs.count("flash2", Nq=200, Nk=200, d=64, batch_shape=(2, 4), causal=True,
                  hardware="H100")
-    assert r.block_sizes == fs.kernels.WG_BLOCKS[64]
+    assert r.block_sizes == fs.kernels.WS_BLOCKS[64]   # the copy-engine forward's
     assert r.prediction.levels == c.levels and r.traffic == c.traffic
     assert r.prediction.time_s == c.time_s
     do = rng.standard_normal(q.shape).astype(np.float16)

@@ -26,9 +26,16 @@ import numpy as np
 from . import _arrays as arrays, _device as dev
 
 # CUtensorMapDataType: 16-bit elements copied as bits (float16 and bfloat16 alike; the
-# zero fill is +0.0 in both); CU_TENSOR_MAP_SWIZZLE_128B; CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-_UINT16, _SWIZZLE_128B, _L2_128B = 1, 3, 2
-BOX_COLS = 64          # columns per box: 128 bytes, the widest the 128-byte swizzle takes
+# zero fill is +0.0 in both); CU_TENSOR_MAP_SWIZZLE_64B and _128B;
+# CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+_UINT16, _SWIZZLE_64B, _SWIZZLE_128B, _L2_128B = 1, 2, 3, 2
+
+
+def box_cols(D: int) -> int:
+    """Columns per box for an instance of head dim D: one column block of the kernels'
+    shared layout (wgmma.cuh's Cols<D>), 64 (128 bytes, the 128-byte swizzle) where 64
+    divides D, else 32 (64 bytes, the 64-byte swizzle)."""
+    return 64 if D % 64 == 0 else 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,10 +87,10 @@ def plan(table_key: tuple, ld: tuple, N: tuple, d: int, device: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def tensor_map(ptr: int, geom: tuple, box_rows: int) -> bytes | None:
+def tensor_map(ptr: int, geom: tuple, box_rows: int, cols: int = 64) -> bytes | None:
     """The 128-byte CUtensorMap of a tensor at ``ptr`` (16-byte aligned) with this
-    geometry (ld, N, Z, zs), boxes of BOX_COLS columns × box_rows rows, 128-byte swizzle;
-    None where the driver refuses it."""
+    geometry (ld, N, Z, zs), boxes of ``cols`` columns × box_rows rows, in the swizzle of
+    that width (64: 128 bytes, 32: 64 bytes); None where the driver refuses it."""
     ld, N, Z, zs = geom
     if ptr % 16:
         return None
@@ -91,17 +98,19 @@ def tensor_map(ptr: int, geom: tuple, box_rows: int) -> bytes | None:
     addr = (ctypes.addressof(raw) + 63) & ~63
     dims = (ctypes.c_uint64 * 3)(ld, N, Z)
     strides = (ctypes.c_uint64 * 2)(ld * 2, zs * 2)       # bytes, of dims 1 and 2
-    box = (ctypes.c_uint32 * 3)(BOX_COLS, box_rows, 1)
+    box = (ctypes.c_uint32 * 3)(cols, box_rows, 1)
     step = (ctypes.c_uint32 * 3)(1, 1, 1)
-    rc = _encode()(addr, _UINT16, 3, ptr, dims, strides, box, step, 0, _SWIZZLE_128B,
-                   _L2_128B, 0)
+    rc = _encode()(addr, _UINT16, 3, ptr, dims, strides, box, step, 0,
+                   _SWIZZLE_128B if cols == 64 else _SWIZZLE_64B, _L2_128B, 0)
     if rc != 0:
         return None
     return ctypes.string_at(addr, 128)
 
 
-def maps(ptrs, geoms, Br: int, Bc: int):
-    """The tensor maps of Q (boxes of Br rows), K and V (Bc rows), or None."""
-    out = tuple(tensor_map(int(x), g, r) for x, g, r in zip(ptrs, geoms, (Br, Bc, Bc)))
+def maps(ptrs, geoms, Br: int, Bc: int, D: int):
+    """The tensor maps of Q (boxes of Br rows), K and V (Bc rows) for the instance of
+    head dim D, or None."""
+    out = tuple(tensor_map(int(x), g, r, box_cols(D))
+                for x, g, r in zip(ptrs, geoms, (Br, Bc, Bc)))
     return None if None in out else out
 

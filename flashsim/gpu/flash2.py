@@ -47,6 +47,17 @@ def _instance(shape: Shape, rung: str = "tc", backward: bool = False) -> int | N
     return K.instance_dim(rung, shape.d, shape.dv, backward, cc)
 
 
+def _ws_tiles(shape: Shape, D: int | None, block_sizes=None) -> tuple[int, int] | None:
+    """The tiles of flash2_fwd_ws where the Hopper forward runs these inputs on it (d = dv =
+    D ∈ WS_HEAD_DIMS, FLASHSIM_TMA not 0, ``block_sizes`` None or those tiles), else None.
+    Layouts a tensor map cannot address are copied first where its tiles are not
+    flash2_fwd_wg's (_attention), so that they hold whatever the strides."""
+    if (K.ws_runs(shape.d, shape.dv, D) and os.environ.get("FLASHSIM_TMA", "1") != "0"
+            and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D])):
+        return K.WS_BLOCKS[D]
+    return None
+
+
 def _tc_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False,
                  var: bool = False) -> bool:
     if not (dtype in K.TC_DTYPES and K.head_dim_instance(shape.d, shape.dv)):
@@ -180,7 +191,8 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
                     variant=_asked(window, softcap, alibi_slopes), var=var)
     D = _instance(shape, which, backward) if which in ("tc", "wg") else None
     if which == "wg":
-        return K.wg_blocks(D, backward)
+        ws = None if backward or varlen else _ws_tiles(shape, D)
+        return ws or K.wg_blocks(D, backward)
     if which == "tc":
         return _tc_tiles(D, backward, var or (not backward and K.padded(shape.d, shape.dv, D)))
     return _blocks(None, shape, qi.dtype, backward)
@@ -196,9 +208,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
 
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
     float16/bfloat16, d and dv multiples of 8 up to 256, run by the smallest instance
-    D ∈ fs.kernels.WG_HEAD_DIMS above them; at d = dv = 128 fed by the copy engine where
-    the layout allows), "tc" the tensor-core kernel (mma.sync, Ampere and later;
-    float16/bfloat16, d and dv as for "wg", instances fs.kernels.TC_HEAD_DIMS), "ref" the
+    D ∈ fs.kernels.WG_HEAD_DIMS above them; at d = dv ∈ fs.kernels.WS_HEAD_DIMS fed by
+    the copy engine, with its own tiles, fs.kernels.WS_BLOCKS), "tc" the tensor-core
+    kernel (mma.sync, Ampere and later; float16/bfloat16, d and dv as for "wg",
+    instances fs.kernels.TC_HEAD_DIMS), "ref" the
     reference kernel (any dtype, d, dv ≤ 256, any tiles); fs.gpu.block_sizes gives the
     tiles each runs, or "auto" (default): the first of "wg", "tc", "ref"
     that supports the inputs on this device, with tiles that fit its shared memory.
@@ -256,7 +269,20 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     lds = tuple(ld[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O))
     io = dev.counters(cp, count_io)
     i32 = np.int32
-    ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld) if which == "wg" else None
+    D = _instance(shape, which) if which in ("tc", "wg") else None
+    ws_tiles = _ws_tiles(shape, D, block_sizes) if which == "wg" else None
+    ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld) if ws_tiles else None
+    if ws is None and ws_tiles and ws_tiles != K.WG_BLOCKS[D]:
+        # a layout no tensor map addresses, where the cp.async kernel's tiles differ from
+        # the ones block_sizes reports: copied into a dense one, which TMA reads
+        dense = [cp.ascontiguousarray(cols[t][0]) for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)]
+        cols.update({t: (x, cols[t][1]) for t, x in zip((arrays.AT_Q, arrays.AT_K, arrays.AT_V), dense)})
+        at, ld = arrays.rows(cp, shape, cols)
+        qi.arr, ki.arr, vi.arr = dense
+        ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld)
+        if ws is None:
+            raise RuntimeError("the driver refused the tensor maps of flash2_fwd_ws for "
+                               "dense inputs; set FLASHSIM_TMA=0 to run flash2_fwd_wg")
     if ws is not None:           # the Hopper forward fed by the copy engine
         k_in, k_out, sl = _fast_variants(cp, scale, softcap, slopes)
         ws(cp.cuda.get_current_stream().ptr, dev.pointer(qi.arr), dev.pointer(ki.arr),
@@ -264,12 +290,17 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
            tail=(Nq, shape.Nk, int(ld[arrays.AT_O]), left, right, scale * LOG2E, float(k_in),
                  float(k_out), 0 if isinstance(sl, np.uint64) else sl.data.ptr, io.data.ptr))
     elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, d, dv, ld…,
-        D = _instance(shape, which)   # band, scale); head dims below D in the VAR instance
+        # band, scale); head dims below D in the VAR instance
         var = var or K.padded(shape.d, shape.dv, D)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
         else:
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, var)
+        if block_sizes is not None and tuple(block_sizes) != (Br, Bc):
+            raise ValueError(f"{name} runs tiles {(Br, Bc)} here, not block_sizes="
+                             f"{tuple(block_sizes)} (FLASHSIM_TMA=0 turns off the copy "
+                             "engine's forward, whose tiles those are); pass "
+                             "block_sizes=None")
         threads = K.threads(name, D, dev.cc(cp.cuda.Device().id))
         smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
         dev.launch(cp, dev.kernel(name, dtype, count_io, D, var),
@@ -494,12 +525,12 @@ class _WsForward:
     __grid_constant__ tensor map to the copy engine intact (an illegal instruction at the
     first TMA load on an H100)."""
 
-    def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int):
+    def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int, D: int):
         self.fptr = kernel.kernel.ptr
         if smem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = smem
         self.grid, self.smem = grid, smem
-        self.crd, self.geoms, self.Br, self.Bc = crd, geoms, Br, Bc
+        self.crd, self.geoms, self.Br, self.Bc, self.D = crd, geoms, Br, Bc, D
         self.launch = dev.cupy().cuda.driver.launchKernel
         c = ctypes
         # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, left, right | scale·log2e, k_in, k_out
@@ -519,7 +550,7 @@ class _WsForward:
 
     def __call__(self, stream: int, q: int, k: int, v: int, at: int, O: int, L: int,
                  tail=None):
-        maps = _tma.maps((q, k, v), self.geoms, self.Br, self.Bc)
+        maps = _tma.maps((q, k, v), self.geoms, self.Br, self.Bc, self.D)
         if maps is None:
             raise RuntimeError("the driver refused the tensor maps of flash2_fwd_ws "
                                f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
@@ -539,23 +570,22 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
     d = shape.d
-    if (d not in K.WS_HEAD_DIMS or shape.dv != d
-            or os.environ.get("FLASHSIM_TMA", "1") == "0"):
+    if (not K.ws_runs(d, shape.dv, d) or os.environ.get("FLASHSIM_TMA", "1") == "0"):
         return None
-    Br, Bc = K.WG_BLOCKS[d]
+    Br, Bc = K.WS_BLOCKS[d]
     three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
     got = _tma.plan(arrays.table_key(shape, three), tuple(int(x) for x in ld),
                     (shape.Nq, shape.Nk, shape.Nk), d, cp.cuda.Device().id)
     if got is None:
         return None
     crd, geoms = got
-    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, Br, Bc) is None:
+    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, Br, Bc, d) is None:
         return None
     name = "flash2_fwd_ws"
     smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
     return _WsForward(dev.kernel(name, dtype, count_io, d, var),
                       K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems), smem, crd,
-                      geoms, Br, Bc)
+                      geoms, Br, Bc, d)
 
 
 class _Plan:
@@ -661,6 +691,8 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
             ws.set_tail(Nq, Nk, int(ld[A.AT_O]), plan.left, plan.right,
                         plan.scale * LOG2E, 0.0, 0.0, 0, plan.io)
             plan.fwd = ws
+        elif name == "flash2_fwd_wg" and _ws_tiles(shape, D) not in (None, (Br, Bc)):
+            return False     # the general path copies what TMA cannot read (_attention)
         else:
             k_in = plan.scale * LOG2E if pad else 0.0
             plan.fwd = _Launcher(dev.kernel(name, dtype, False, D, pad), "6Q10ifff4xQQQ",
