@@ -197,25 +197,30 @@ def wg_blocks(d: int, backward: bool = False) -> tuple[int, int]:
 
 
 def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
-                block_sizes=None, backward: bool = False) -> bool:
+                block_sizes=None, backward: bool = False, variant: bool = False) -> bool:
     """The Hopper forward (or backward) runs these inputs on a device of compute
     capability ``cc`` (its sm_90a code runs on 9.0 alone) whose CTAs may opt in to
-    ``smem_limit`` bytes."""
+    ``smem_limit`` bytes (``variant``: softcap or ALiBi)."""
     D = head_dim_instance(d, dv, WG_BWD_HEAD_DIMS if backward else WG_HEAD_DIMS)
     if not (dtype in TC_DTYPES and D is not None and cc == WG_COMPUTE_CAPABILITY):
         return False
     runs = [("flash2_bwd_wg" if backward else "flash2_fwd_wg", wg_blocks(D, backward))]
-    if ws_runs(d, dv, D, backward):      # the forward fed by the copy engine: its tiles
+    if ws_runs(d, dv, D, backward, variant):   # the forward fed by the copy engine
         runs.append(("flash2_fwd_ws", WS_BLOCKS[D]))
     return any((block_sizes is None or tuple(block_sizes) == tiles)
                and smem_bytes(kernel, *tiles, D, D, dtype) <= smem_limit
                for kernel, tiles in runs)
 
 
-def ws_runs(d: int, dv: int, D: int | None, backward: bool = False) -> bool:
+def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
+            variant: bool = False) -> bool:
     """The Hopper forward of head dims d, dv (instance D) is the one fed by the copy engine
-    (flash2_ws.cu) on inputs whose rows a tensor map addresses: d = dv = D ∈ WS_HEAD_DIMS."""
-    return not backward and d == dv == D and D in WS_HEAD_DIMS
+    (flash2_ws.cu) on inputs whose rows a tensor map addresses: d = dv = D ∈ WS_HEAD_DIMS;
+    with softcap or ALiBi (``variant``) only where its tiles are flash2_fwd_wg's, whose
+    softcap/ALiBi instance a packed varlen batch's shares, so that a batch and each of its
+    sequences run the same arithmetic (bit for bit)."""
+    return (not backward and d == dv == D and D in WS_HEAD_DIMS
+            and (not variant or WS_BLOCKS[D] == WG_BLOCKS[D]))
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,

@@ -160,3 +160,19 @@ def test_each_rung_picks_its_own_instance_of_a_head_dim():
     assert kernels.tc_supports(192, 192, "float16", 80, 166912, backward=True)
     assert kernels.smem_bytes("flash2_bwd_tc", *kernels.TC_BWD_BLOCKS[192], 192, 192,
                               "float16") == 166912
+
+
+def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
+    """flash2_fwd_ws: d = dv = D ∈ WS_HEAD_DIMS, forward; softcap/ALiBi only where its
+    tiles are flash2_fwd_wg's (so a varlen batch and its sequences agree bit for bit)."""
+    for D in kernels.WS_HEAD_DIMS:
+        assert kernels.ws_runs(D, D, D)
+        assert not kernels.ws_runs(D, D, D, backward=True)
+        assert kernels.ws_runs(D, D, D, variant=True) == (
+            kernels.WS_BLOCKS[D] == kernels.WG_BLOCKS[D])
+    assert not kernels.ws_runs(56, 56, 64) and not kernels.ws_runs(64, 32, 64)
+    assert not kernels.ws_runs(32, 32, 32) and not kernels.ws_runs(256, 256, 256)
+    assert not kernels.ws_runs(64, 64, 64, variant=True)   # 128 × 128 against 128 × 64
+    assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 128))
+    assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 128), variant=True)
+    assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 64), variant=True)

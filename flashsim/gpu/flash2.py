@@ -22,14 +22,15 @@ KERNELS = ("auto", "ref", "tc", "wg")
 LOG2E = math.log2(math.e)
 
 
-def _wg_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False) -> bool:
+def _wg_supports(shape: Shape, dtype: str, block_sizes, backward: bool = False,
+                 var: bool = False) -> bool:
     """The Hopper forward (or backward) runs these inputs on the current device (compute
-    capability 9.0: its sm_90a code runs on no other)."""
+    capability 9.0: its sm_90a code runs on no other; ``var``: softcap or ALiBi)."""
     if not (dtype in K.TC_DTYPES and K.head_dim_instance(shape.d, shape.dv, K.WG_HEAD_DIMS)):
         return False
     device = dev.cupy().cuda.Device().id
     return K.wg_supports(shape.d, shape.dv, dtype, dev.cc(device), dev.smem_limit_on(device),
-                         block_sizes, backward)
+                         block_sizes, backward, var)
 
 
 def _tc_tiles(D: int, backward: bool, var: bool = False) -> tuple[int, int]:
@@ -47,12 +48,14 @@ def _instance(shape: Shape, rung: str = "tc", backward: bool = False) -> int | N
     return K.instance_dim(rung, shape.d, shape.dv, backward, cc)
 
 
-def _ws_tiles(shape: Shape, D: int | None, block_sizes=None) -> tuple[int, int] | None:
-    """The tiles of flash2_fwd_ws where the Hopper forward runs these inputs on it (d = dv =
-    D ∈ WS_HEAD_DIMS, FLASHSIM_TMA not 0, ``block_sizes`` None or those tiles), else None.
+def _ws_tiles(shape: Shape, D: int | None, block_sizes=None,
+              var: bool = False) -> tuple[int, int] | None:
+    """The tiles of flash2_fwd_ws where the Hopper forward runs these inputs on it
+    (kernels.ws_runs, ``var``: softcap or ALiBi; FLASHSIM_TMA not 0; ``block_sizes`` None
+    or those tiles), else None.
     Layouts a tensor map cannot address are copied first where its tiles are not
     flash2_fwd_wg's (_attention), so that they hold whatever the strides."""
-    if (K.ws_runs(shape.d, shape.dv, D) and os.environ.get("FLASHSIM_TMA", "1") != "0"
+    if (K.ws_runs(shape.d, shape.dv, D, variant=var) and os.environ.get("FLASHSIM_TMA", "1") != "0"
             and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D])):
         return K.WS_BLOCKS[D]
     return None
@@ -88,7 +91,7 @@ def _choose(kernel: str, shape: Shape, dtype: str, block_sizes, backward: bool =
                              "kernel='tc', 'ref' or 'auto'")
         if kernel == "auto":
             return "ref"
-    if kernel in ("auto", "wg") and _wg_supports(shape, dtype, block_sizes, backward):
+    if kernel in ("auto", "wg") and _wg_supports(shape, dtype, block_sizes, backward, var):
         return "wg"
     if kernel == "wg":
         raise ValueError(
@@ -191,7 +194,7 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
                     variant=_asked(window, softcap, alibi_slopes), var=var)
     D = _instance(shape, which, backward) if which in ("tc", "wg") else None
     if which == "wg":
-        ws = None if backward or varlen else _ws_tiles(shape, D)
+        ws = None if backward or varlen else _ws_tiles(shape, D, var=var)
         return ws or K.wg_blocks(D, backward)
     if which == "tc":
         return _tc_tiles(D, backward, var or (not backward and K.padded(shape.d, shape.dv, D)))
@@ -270,7 +273,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     io = dev.counters(cp, count_io)
     i32 = np.int32
     D = _instance(shape, which) if which in ("tc", "wg") else None
-    ws_tiles = _ws_tiles(shape, D, block_sizes) if which == "wg" else None
+    ws_tiles = _ws_tiles(shape, D, block_sizes, var) if which == "wg" else None
     ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld) if ws_tiles else None
     if ws is None and ws_tiles and ws_tiles != K.WG_BLOCKS[D]:
         # a layout no tensor map addresses, where the cp.async kernel's tiles differ from
@@ -570,7 +573,7 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
     d = shape.d
-    if (not K.ws_runs(d, shape.dv, d) or os.environ.get("FLASHSIM_TMA", "1") == "0"):
+    if (not K.ws_runs(d, shape.dv, d, variant=var) or os.environ.get("FLASHSIM_TMA", "1") == "0"):
         return None
     Br, Bc = K.WS_BLOCKS[d]
     three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
