@@ -275,21 +275,23 @@ RUNGS = ("auto", "wg", "tc", "ref")
 
 
 def choose_kernel(launch: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
-                  backward: bool = False) -> str:
+                  backward: bool = False, variant: bool = False) -> str:
     """The rung the project's kernels would take on ``hw``: "wg", "tc" or "ref" (the same
-    rules as `flashsim.gpu`'s kernel="auto", from `flashsim.kernels`)."""
+    rules as `flashsim.gpu`'s kernel="auto", from `flashsim.kernels`; ``variant``: softcap
+    or ALiBi, whose instances may have their own tiles)."""
     if launch not in RUNGS:
         raise ValueError(f"launch must be one of {RUNGS}, got {launch!r}")
     cc, limit, d, dv = hw.compute_capability, hw.smem_per_block, shape.d, shape.dv
     if launch in ("auto", "wg") and K.wg_supports(d, dv, dtype, cc, limit, block_sizes,
-                                                  backward):
+                                                  backward, variant):
         return "wg"
     if launch == "wg":
         raise ValueError(f"the Hopper kernel runs float16/bfloat16, d and dv multiples of "
                          f"8 up to {max(K.WG_BWD_HEAD_DIMS if backward else K.WG_HEAD_DIMS)}, tiles {K.WG_BWD_BLOCKS if backward else K.WG_BLOCKS}, on compute capability 9.0 "
                          f"({hw.name} is {cc / 10:.1f}); got {dtype}, d={d}, dv={dv}, "
                          f"block_sizes={block_sizes}")
-    if launch in ("auto", "tc") and K.tc_supports(d, dv, dtype, cc, limit, block_sizes, backward):
+    if launch in ("auto", "tc") and K.tc_supports(d, dv, dtype, cc, limit, block_sizes, backward,
+                                                  variant):
         return "tc"
     if launch == "tc":
         raise ValueError(f"the tensor-core kernel runs float16/bfloat16, d and dv "
@@ -300,19 +302,20 @@ def choose_kernel(launch: str, shape: Shape, dtype: str, hw: GPU, block_sizes=No
 
 
 def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
-                 backward: bool = False) -> tuple[int, int]:
-    """(Br, Bc) the rung runs with: its fixed tiles, or for "ref" ``block_sizes`` (default:
-    the largest square tile whose CTA fits the device's shared memory)."""
+                 backward: bool = False, variant: bool = False) -> tuple[int, int]:
+    """(Br, Bc) the rung runs with: its fixed tiles (``variant``: those of its softcap/ALiBi
+    instance), or for "ref" ``block_sizes`` (default: the largest square tile whose CTA
+    fits the device's shared memory)."""
     cc = hw.compute_capability
     if rung in ("tc", "wg"):                       # the fast rungs' instance
         D = K.instance_dim(rung, shape.d, shape.dv, backward, cc // 10)
         if rung == "wg":
-            if _copy_engine_forward(shape, block_sizes, backward):
+            if _copy_engine_forward(shape, block_sizes, backward, variant):
                 return K.WS_BLOCKS[D]
             return K.wg_blocks(D, backward)
         if backward:
             return K.tc_bwd_blocks(D, cc // 10)
-        return K.tc_blocks(D, cc // 10, K.padded(shape.d, shape.dv, D))
+        return K.tc_blocks(D, cc // 10, variant or K.padded(shape.d, shape.dv, D))
     if block_sizes is not None:
         Br, Bc = (int(x) for x in block_sizes)
         kernel = "flash2_bwd_main" if backward else "flash2_fwd"
@@ -325,11 +328,13 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
     return K.default_block_sizes(shape.d, shape.dv, dtype, hw.smem_per_block, backward)
 
 
-def _copy_engine_forward(shape: Shape, block_sizes, backward: bool) -> bool:
-    """The Hopper rung's forward of these head dims is flash2_fwd_ws (fed by the copy
-    engine, kernels.ws_runs) with ``block_sizes`` (None: its own tiles)."""
+def _copy_engine_forward(shape: Shape, block_sizes, backward: bool,
+                         variant: bool = False) -> bool:
+    """The Hopper rung's forward of these head dims (``variant``: with softcap or ALiBi)
+    is flash2_fwd_ws (fed by the copy engine, kernels.ws_runs) with ``block_sizes`` (None:
+    its own tiles)."""
     D = K.instance_dim("wg", shape.d, shape.dv, backward)
-    return (K.ws_runs(shape.d, shape.dv, D, backward)
+    return (K.ws_runs(shape.d, shape.dv, D, backward, variant)
             and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D]))
 
 
@@ -366,17 +371,18 @@ def _make_launch(kernel: str, shape: Shape, dtype: str, hw: GPU, Br: int, Bc: in
 
 
 def launches(shape: Shape, io_dtype, hardware, *, backward: bool = False,
-             launch: str = "auto", block_sizes=None,
-             deterministic: bool = False) -> tuple[Launch, ...]:
+             launch: str = "auto", block_sizes=None, deterministic: bool = False,
+             variant: bool = False) -> tuple[Launch, ...]:
     """The launches the project's kernels make for this problem on ``hardware``: the
-    forward (one kernel) or the backward (pre-pass, main kernel, post-pass)."""
+    forward (one kernel) or the backward (pre-pass, main kernel, post-pass); ``variant``:
+    with softcap or ALiBi (the instances that run them may have their own tiles)."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
-    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, backward)
-    Br, Bc = kernel_tiles(rung, shape, dtype, hw, block_sizes, backward)
+    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, backward, variant)
+    Br, Bc = kernel_tiles(rung, shape, dtype, hw, block_sizes, backward, variant)
     if not backward:
         name = {"wg": "flash2_fwd_wg", "tc": "flash2_fwd_tc", "ref": "flash2_fwd"}[rung]
-        if rung == "wg" and _copy_engine_forward(shape, block_sizes, backward):
+        if rung == "wg" and _copy_engine_forward(shape, block_sizes, backward, variant):
             # the forward fed by the copy engine, as flashsim.gpu launches it for rows TMA
             # can address (a dense layout: the model's), with its own tiles
             name = "flash2_fwd_ws"
@@ -862,12 +868,14 @@ class Prediction:
 
 def predict(shape: Shape, io_dtype, band, hardware, *, backward: bool = False,
             launch: str = "auto", block_sizes=None, deterministic: bool = False,
-            traffic: Traffic | None = None, max_events: int = MAX_EVENTS) -> Prediction:
-    """Three-level prediction for the project's kernels on ``hardware`` (see the module)."""
+            traffic: Traffic | None = None, max_events: int = MAX_EVENTS,
+            variant: bool = False) -> Prediction:
+    """Three-level prediction for the project's kernels on ``hardware`` (see the module;
+    ``variant``: softcap or ALiBi)."""
     hw = get_hardware(hardware)
     out = []
     for L in launches(shape, io_dtype, hw, backward=backward, launch=launch,
-                      block_sizes=block_sizes, deterministic=deterministic):
+                      block_sizes=block_sizes, deterministic=deterministic, variant=variant):
         prog = program(L, shape, io_dtype, band)
         sm = sm_l2_traffic(prog)
         l2 = simulate_l2(prog, L.slots, hw.l2_capacities, sms=hw.num_sms,
@@ -900,21 +908,23 @@ def check_hardware_args(algorithm: str, sram_bytes, block_sizes, launch) -> None
 
 
 def hardware_tiles(algorithm: str, shape: Shape, io_dtype, hardware, *, sram_bytes,
-                   block_sizes, launch: str, backward: bool) -> tuple[int, int]:
+                   block_sizes, launch: str, backward: bool,
+                   variant: bool = False) -> tuple[int, int]:
     """What `count`, `simulate` and their backwards run with ``hardware=``: the arguments
-    checked, then (Br, Bc) of the schedule the kernel ``launch`` runs on ``hardware``."""
+    checked, then (Br, Bc) of the schedule the kernel ``launch`` runs on ``hardware``
+    (``variant``: with softcap or ALiBi)."""
     check_hardware_args(algorithm, sram_bytes, block_sizes, launch)
     return tiles_for(shape, io_dtype, hardware, backward=backward, launch=launch,
-                     block_sizes=block_sizes)
+                     block_sizes=block_sizes, variant=variant)
 
 
 def tiles_for(shape: Shape, io_dtype, hardware, *, backward: bool, launch: str,
-              block_sizes) -> tuple[int, int]:
+              block_sizes, variant: bool = False) -> tuple[int, int]:
     """(Br, Bc) of the schedule the kernel ``launch`` runs on ``hardware``."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
-    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, backward)
-    return kernel_tiles(rung, shape, dtype, hw, block_sizes, backward)
+    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, backward, variant)
+    return kernel_tiles(rung, shape, dtype, hw, block_sizes, backward, variant)
 
 
 __all__ = ["Levels", "Launch", "Prediction", "LaunchPrediction", "launches", "predict",

@@ -85,7 +85,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
         hw_blocks = block_sizes
         block_sizes = hierarchy.hardware_tiles(
             algorithm, shape, q.dtype if io_dtype is None else io_dtype, hardware,
-            sram_bytes=sram_bytes, block_sizes=block_sizes, launch=launch, backward=False)
+            sram_bytes=sram_bytes, block_sizes=block_sizes, launch=launch, backward=False,
+            variant=softcap is not None or alibi_slopes is not None)
     scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
                          alibi_slopes)
     opts = check_options(algorithm, num_splits=num_splits)
@@ -112,7 +113,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     if hardware is not None:
         prediction = hierarchy.predict(shape, q.dtype if io_dtype is None else io_dtype,
                                        scores.band, hardware, launch=launch,
-                                       block_sizes=hw_blocks, traffic=machine.traffic)
+                                       block_sizes=hw_blocks, traffic=machine.traffic,
+                                       variant=softcap is not None or alibi_slopes is not None)
     return Result(out=restore(O, shape, (shape.Nq, shape.dv)),
                   lse=restore(L, shape, (shape.Nq,)),
                   traffic=machine.traffic, block_sizes=blocks,
