@@ -661,6 +661,10 @@ def test_the_tma_forward_at_other_head_dims(monkeypatch, d):
     monkeypatch.setenv("FLASHSIM_TMA", "0")
     run(fs.kernels.WG_BLOCKS[d])
     assert len(calls) == 1
+    if fs.kernels.WS_BLOCKS[d] != fs.kernels.WG_BLOCKS[d]:
+        # the copy engine's tiles asked for while it is off: a typed error, no launch
+        with pytest.raises(ValueError, match="FLASHSIM_TMA=0"):
+            fs.gpu.attention(qd, kd, vd, block_sizes=fs.kernels.WS_BLOCKS[d])
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     refused = []
     plan = flash2._tma.plan

@@ -573,9 +573,10 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
     d = shape.d
-    if (not K.ws_runs(d, shape.dv, d, variant=var) or os.environ.get("FLASHSIM_TMA", "1") == "0"):
+    tiles = _ws_tiles(shape, d, var=var)
+    if tiles is None:
         return None
-    Br, Bc = K.WS_BLOCKS[d]
+    Br, Bc = tiles
     three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
     got = _tma.plan(arrays.table_key(shape, three), tuple(int(x) for x in ld),
                     (shape.Nq, shape.Nk, shape.Nk), d, cp.cuda.Device().id)
