@@ -67,6 +67,7 @@ def record(call):
                 kernel, grid, threads, args, smem = launch
                 kernel(tuple(grid), (threads,), args, shared_mem=smem)
     replay.ws = any(how == "ws" for how, _ in launches)
+    replay.launches = len(launches)
     return replay
 
 

@@ -145,14 +145,21 @@ WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
 # address (flashsim/gpu/_tma.py) at d = dv = D ∈ WS_HEAD_DIMS: a producer warpgroup
-# beside the two consumers, K/V in a ring of WS_STAGES slots, one CTA per SM, tiles
-# WS_BLOCKS (WG_BLOCKS' at 96 and 128; at 64 one CTA of 128 × 64 measured 0.86–0.93× the
-# cp.async kernel's two, 128 × 128 faster: NOTES v16, v21). Elsewhere (packed varlen
-# batches, head dims below D, FLASHSIM_TMA=0) flash2_fwd_wg runs, with WG_BLOCKS.
-WS_THREADS = 384
+# beside one consumer warpgroup per 64 query rows of the tile (Br / 64: flash2_ws.cu's
+# consumers<D>), K/V in a ring of WS_STAGES slots, one CTA per SM, tiles WS_BLOCKS
+# (WG_BLOCKS' at 96 and 128; at 64 one CTA of 128 × 64 measured 0.86–0.93× the cp.async
+# kernel's two, 128 × 128 faster, 192 × 128 (three consumers) faster still: NOTES v16,
+# v21, v22). Elsewhere (packed varlen batches, head dims below D, FLASHSIM_TMA=0)
+# flash2_fwd_wg runs, with WG_BLOCKS.
 WS_STAGES = 2
 WS_HEAD_DIMS = (64, 96, 128)
-WS_BLOCKS = {64: (128, 128), 96: (128, 128), 128: (128, 128)}
+WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
+
+
+def ws_threads(D: int) -> int:
+    """Threads per CTA of flash2_fwd_ws at instance D: the producer warpgroup and one
+    consumer warpgroup per 64 rows of the Q tile."""
+    return 128 * (1 + WS_BLOCKS[D][0] // 64)
 
 
 def source_arch(source: str, arch: str) -> str | None:
@@ -311,7 +318,7 @@ def threads(kernel: str, d: int, cc: int) -> int:
     if kernel in ("flash2_fwd_wg", "flash2_bwd_wg", "flash2_bwd_wg_det"):
         return WG_THREADS
     if kernel == "flash2_fwd_ws":
-        return WS_THREADS
+        return ws_threads(d)
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         return TC_BWD_THREADS
     if kernel == "flash2_bwd_preprocess_tc":
@@ -332,7 +339,7 @@ REGISTERS = {
               "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
               "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 250, 256: 255},
               "flash2_bwd_wg": {64: 250, 128: 234},
-              "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {64: 168, 96: 168, 128: 168},
+              "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},

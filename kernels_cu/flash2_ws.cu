@@ -2,14 +2,14 @@
 //
 //   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d = dv
 //                        = D): the schedule, visited tiles and so the traffic of
-//                        flash2_fwd_wg with tiles of 128 × 128 (at D = 96 and 128 its
-//                        own; at D = 64 the cp.async kernel takes 128 × 64, two CTAs per
-//                        SM, where one CTA of these measured faster here, NOTES v16, v21),
-//                        its shared layout (wgmma.cuh's Cols<D>: 64-byte-swizzled blocks
-//                        of 32 columns at D = 96), its
-//                        two consumer warpgroups of 64 query rows and their loop (S_j and
-//                        P_{j−1} V_{j−1} issued together, the softmax of tile j beside the
-//                        second product). Over flash2_fwd_wg it changes who moves the data:
+//                        flash2_fwd_wg with tiles of 128 × 128 at D = 96 and 128 (its
+//                        own) and 192 × 128 at D = 64 (the cp.async kernel takes 128 × 64
+//                        there, two CTAs per SM: NOTES v16, v21, v22), its shared layout
+//                        (wgmma.cuh's Cols<D>: 64-byte-swizzled blocks of 32 columns at
+//                        D = 96), its consumer warpgroups of 64 query rows each (two, three
+//                        at D = 64) and their loop (S_j and P_{j−1} V_{j−1} issued together,
+//                        the softmax of tile j beside the second product). Over
+//                        flash2_fwd_wg it changes who moves the data:
 //                        - a producer warpgroup, of which one thread issues the loads: TMA
 //                          (cp.async.bulk.tensor) copies of Q_i and of K_j, V_j into a ring
 //                          of STAGES slots. The copy engine writes the tiles in the 128- (or 64-)byte
@@ -21,9 +21,9 @@
 //                          on addresses or copies;
 //                        - setmaxnreg: the producer drops to PRODUCER_REGS registers per
 //                          thread, the consumers take them (CONSUMER_REGS);
-//                        - ping-pong (FLASHSIM_WS_PINGPONG, on by default): two named
+//                        - ping-pong (FLASHSIM_WS_PINGPONG, on by default): named
 //                          barriers make the warpgroups take turns issuing their products,
-//                          so that one's softmax runs while the other's products hold the
+//                          so that one's softmax runs while another's products hold the
 //                          tensor cores.
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
@@ -50,7 +50,16 @@ using namespace wg;
 #ifndef FLASHSIM_WS_STAGES
 #define FLASHSIM_WS_STAGES 2
 #endif
-constexpr int CONSUMERS = 2, THREADS = 128 * (1 + CONSUMERS), Br = 64 * CONSUMERS;
+// consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
+// two products are short beside its softmax and a third one's work fills the tensor cores
+// while two wait on their softmax chains; two at 96 and 128, whose registers (O's D/2
+// per thread) leave no room for a third
+#ifndef FLASHSIM_WS_CONSUMERS64
+#define FLASHSIM_WS_CONSUMERS64 3
+#endif
+template <int D> __host__ __device__ constexpr int consumers() { return D == 64 ? FLASHSIM_WS_CONSUMERS64 : 2; }
+template <int D> __host__ __device__ constexpr int threads() { return 128 * (1 + consumers<D>()); }
+template <int D> __host__ __device__ constexpr int br() { return 64 * consumers<D>(); }
 constexpr int STAGES = FLASHSIM_WS_STAGES;
 #ifndef FLASHSIM_WS_BC64
 #define FLASHSIM_WS_BC64 128
@@ -62,18 +71,18 @@ constexpr int STAGES = FLASHSIM_WS_STAGES;
 template <int D> __host__ __device__ constexpr int bc() { return D == 64 ? FLASHSIM_WS_BC64 : 128; }
 // one CTA per SM: two at D = 64 would leave the consumers 104 registers, and they spill
 template <int D> __host__ __device__ constexpr int min_blocks() { return D == 64 ? FLASHSIM_WS_MINB64 : 1; }
-// the registers the launch bounds give each thread (65536 per SM over THREADS·min_blocks,
+// the registers the launch bounds give each thread (65536 per SM over threads·min_blocks,
 // in multiples of 8), and their split: the producer keeps 24, the consumers take the rest
-template <int D> __host__ __device__ constexpr int launch_regs() { return (65536 / (THREADS * min_blocks<D>())) & ~7; }
+template <int D> __host__ __device__ constexpr int launch_regs() { return (65536 / (threads<D>() * min_blocks<D>())) & ~7; }
 constexpr int PRODUCER_REGS = 24;
 template <int D> __host__ __device__ constexpr int consumer_regs() {
-    return ((launch_regs<D>() * (1 + CONSUMERS) - PRODUCER_REGS) / CONSUMERS) & ~7;
+    return ((launch_regs<D>() * (1 + consumers<D>()) - PRODUCER_REGS) / consumers<D>()) & ~7;
 }
 
 }  // namespace ws
 
 template <typename T, int D, bool VAR>
-__global__ void __launch_bounds__(ws::THREADS, ws::min_blocks<D>())
+__global__ void __launch_bounds__(ws::threads<D>(), ws::min_blocks<D>())
 flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,
               const __grid_constant__ wg::TensorMap tmV, const int* __restrict__ crd,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
@@ -83,7 +92,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     using namespace ws;
     static_assert(D == 64 || D == 96 || D == 128, "head dims 64, 96 and 128");
     using CL = Cols<D>;
-    constexpr int Bc = bc<D>();
+    constexpr int Bc = bc<D>(), CONSUMERS = consumers<D>(), THREADS = threads<D>(), Br = br<D>();
     constexpr unsigned TILE_Q = Br * D * 2, TILE_KV = Bc * D * 2;   // bytes of one tile
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address bits, so tiles start on 1024 bytes
@@ -171,11 +180,13 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
     const int r0 = cw * 64 + (warp & 3) * 16 + g;    // this thread's rows r0, r0 + 8 in the tile
 
-    // ping-pong: warpgroup cw waits at barrier 1 + cw before issuing its products and, once
-    // they are issued, lets the other one go (barrier 1 + (cw ^ 1)); each barrier counts the
-    // waiting warpgroup's 128 threads and the other's 128 arrivals
+    // ping-pong: the warpgroups take turns issuing their products, in order 0, 1, …: cw
+    // waits at barrier 1 + cw before issuing and, once they are issued, lets the next one
+    // go (barrier 1 + next); each barrier counts the waiting warpgroup's 128 threads and
+    // the previous one's 128 arrivals
+    const int next = cw + 1 == CONSUMERS ? 0 : cw + 1;
     auto turn_wait = [&]() { if (FLASHSIM_WS_PINGPONG) named_sync(1 + cw, 256); };
-    auto turn_pass = [&]() { if (FLASHSIM_WS_PINGPONG) named_arrive(1 + (cw ^ 1), 256); };
+    auto turn_pass = [&]() { if (FLASHSIM_WS_PINGPONG) named_arrive(1 + next, 256); };
     // a warp's share of freeing a slot, once its products have read it
     auto release = [&](unsigned bar) { if (lane == 0) mbar_arrive(bar); };
 
@@ -208,7 +219,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // Step n (tile j = jlo + n, slot n % STAGES, that slot's fill n / STAGES, whose parity
     // the waits name): S_j and P_{j−1} V_{j−1} issued together; K's slot freed once S_j is
     // done, V's once the second product is
-    if (FLASHSIM_WS_PINGPONG && cw == 1) named_arrive(1, 256);   // warpgroup 0 goes first
+    if (FLASHSIM_WS_PINGPONG && next == 0) named_arrive(1, 256);   // warpgroup 0 goes first
     mbar_wait(bQ, 0);
     mbar_wait(fullK(0), 0);
     turn_wait();
@@ -259,7 +270,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         turn_wait();
         wgmma_fence();
         issue_pv(sV + (n % STAGES) * TILE_KV);
-        if (cw == 0) turn_pass();                    // the last turn: warpgroup 1 waits for none
+        if (next != 0) turn_pass();                  // the last turn: warpgroup 0 waits for none
         wgmma_wait<0>();
         fence_regs<D / 2>(o);
     }

@@ -564,7 +564,7 @@ class _WsForward:
             obj.value = x
         if tail is not None:
             self.set_tail(*tail)
-        self.launch(self.fptr, self.grid[0], self.grid[1], 1, K.WS_THREADS, 1, 1, self.smem,
+        self.launch(self.fptr, self.grid[0], self.grid[1], 1, K.ws_threads(self.D), 1, 1, self.smem,
                     stream, ctypes.addressof(self.params), 0)
 
 
