@@ -5,7 +5,7 @@ per CTA at d = 64 (FLASHSIM_WS_CONSUMERS64, with the tile rows they give), K/V s
 
     python3 analysis/tune_ws.py [--configs c2,c3,c3s3] [--d 64] [--ns 2048,4096,16384]
 
-A config names macros and the Q tile's rows at --d (CONFIGS below); its process builds
+A config names macros and the Q tile's rows they give at d = 64 (CONFIGS below); its process builds
 the kernels with those macros (NVRTC, all configs in parallel first, into CuPy's kernel
 cache), sets fs.kernels' tables to match, and times the forward as `auto` runs it on
 dense inputs, replaying its launches (the kernels' time alone). batch·N = 16k tokens,

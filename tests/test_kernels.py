@@ -172,7 +172,7 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
             kernels.WS_BLOCKS[D] == kernels.WG_BLOCKS[D])
     assert not kernels.ws_runs(56, 56, 64) and not kernels.ws_runs(64, 32, 64)
     assert not kernels.ws_runs(32, 32, 32) and not kernels.ws_runs(256, 256, 256)
-    assert not kernels.ws_runs(64, 64, 64, variant=True)   # 128 × 128 against 128 × 64
+    assert not kernels.ws_runs(64, 64, 64, variant=True)   # 192 × 128 against 128 × 64
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128))
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128), variant=True)
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 128))

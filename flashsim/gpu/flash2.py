@@ -214,10 +214,10 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     D ∈ fs.kernels.WG_HEAD_DIMS above them; at d = dv ∈ fs.kernels.WS_HEAD_DIMS fed by
     the copy engine, with its own tiles, fs.kernels.WS_BLOCKS), "tc" the tensor-core
     kernel (mma.sync, Ampere and later; float16/bfloat16, d and dv as for "wg",
-    instances fs.kernels.TC_HEAD_DIMS), "ref" the
-    reference kernel (any dtype, d, dv ≤ 256, any tiles); fs.gpu.block_sizes gives the
-    tiles each runs, or "auto" (default): the first of "wg", "tc", "ref"
-    that supports the inputs on this device, with tiles that fit its shared memory.
+    instances fs.kernels.TC_HEAD_DIMS), "ref" the reference kernel (any dtype, d,
+    dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref" that
+    supports the inputs on this device, with tiles that fit its shared memory.
+    fs.gpu.block_sizes gives the tiles each runs.
 
     Variants, with `flashsim.simulate`'s semantics (flashsim.variants): ``window=(left,
     right)`` (−1 unbounded; tiles outside the band are skipped), ``softcap=c`` and
