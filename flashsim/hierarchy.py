@@ -128,6 +128,8 @@ EFFICIENCY = {
     # consumers, analysis/out/bench/ws64_c3.json, 380 TF/s; at 96 ws_64_96.json, 408)
     # against that ws at 128
     ("flash2_fwd_ws", 64): 0.605, ("flash2_fwd_ws", 96): 0.650,
+    # the backward fed by the copy engine: to be measured
+    ("flash2_bwd_ws", 128): 0.363, ("flash2_bwd_ws_det", 128): 0.302,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
@@ -335,8 +337,15 @@ def _copy_engine_forward(shape: Shape, block_sizes, backward: bool,
     is flash2_fwd_ws (fed by the copy engine, kernels.ws_runs) with ``block_sizes`` (None:
     its own tiles)."""
     D = K.instance_dim("wg", shape.d, shape.dv, backward)
-    return (K.ws_runs(shape.d, shape.dv, D, backward, variant)
+    return (not backward and K.ws_runs(shape.d, shape.dv, D, backward, variant)
             and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D]))
+
+
+def _copy_engine_backward(shape: Shape) -> bool:
+    """The Hopper rung's backward main loop of these head dims is flash2_bwd_ws (fed by
+    the copy engine, kernels.ws_runs), with flash2_bwd_wg's tiles."""
+    D = K.instance_dim("wg", shape.d, shape.dv, True)
+    return K.ws_runs(shape.d, shape.dv, D, backward=True)
 
 
 def _instance_of(kernel: str, d: int, dv: int, cc: int = 90) -> int | None:
@@ -344,7 +353,7 @@ def _instance_of(kernel: str, d: int, dv: int, cc: int = 90) -> int | None:
     kernel, which takes any d): the pre-pass's, the backward's or the forward's."""
     if kernel == "flash2_bwd_preprocess_tc":
         return K.pre_instance(d, dv)
-    if not kernel.endswith(("_tc", "_wg", "_ws", "_tc_det", "_wg_det")):
+    if not kernel.endswith(("_tc", "_wg", "_ws", "_tc_det", "_wg_det", "_ws_det")):
         return None
     rung = "wg" if "_wg" in kernel or "_ws" in kernel else "tc"
     return K.instance_dim(rung, d, dv, kernel.startswith("flash2_bwd"), cc // 10)
@@ -389,8 +398,11 @@ def launches(shape: Shape, io_dtype, hardware, *, backward: bool = False,
             name = "flash2_fwd_ws"
         return (_make_launch(name, shape, dtype, hw, Br, Bc),)
     if rung in ("tc", "wg"):
+        # the backward fed by the copy engine, as flashsim.gpu launches it for rows TMA
+        # can address, with the same tiles
+        main = "ws" if rung == "wg" and _copy_engine_backward(shape) else rung
         names = ("flash2_bwd_preprocess_tc",
-                 f"flash2_bwd_{rung}_det" if deterministic else f"flash2_bwd_{rung}")
+                 f"flash2_bwd_{main}_det" if deterministic else f"flash2_bwd_{main}")
     else:
         names = ("flash2_bwd_preprocess", "flash2_bwd_main")
     names += ("flash2_bwd_postprocess",)

@@ -31,7 +31,7 @@ SOURCES = {
     "flash2_tc.cu": ("flash2_fwd_tc", "flash2_bwd_preprocess_tc", "flash2_bwd_tc",
                      "flash2_bwd_tc_det"),
     "flash2_wg.cu": ("flash2_fwd_wg", "flash2_bwd_wg", "flash2_bwd_wg_det"),
-    "flash2_ws.cu": ("flash2_fwd_ws",),
+    "flash2_ws.cu": ("flash2_fwd_ws", "flash2_bwd_ws", "flash2_bwd_ws_det"),
     "flash1_ref.cu": ("flash1_fwd", "flash1_bwd"),
     "standard_ref.cu": ("standard_fwd_scores", "standard_fwd_softmax", "standard_fwd_out",
                         "standard_bwd_dv", "standard_bwd_dp", "standard_bwd_ds",
@@ -154,6 +154,12 @@ WG_COMPUTE_CAPABILITY = 90
 WS_STAGES = 2
 WS_HEAD_DIMS = (64, 96, 128)
 WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
+# Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
+# (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
+# and dO_i in a ring of WS_STAGES slots, at d = dv = D ∈ WS_BWD_HEAD_DIMS (at 64 the
+# step's 250 registers do not fit the 240 a consumer gets beside a producer: it spills)
+WS_BWD_HEAD_DIMS = (128,)
+WS_BWD_THREADS = 384
 
 
 def ws_threads(D: int) -> int:
@@ -212,8 +218,9 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
     if not (dtype in TC_DTYPES and D is not None and cc == WG_COMPUTE_CAPABILITY):
         return False
     runs = [("flash2_bwd_wg" if backward else "flash2_fwd_wg", wg_blocks(D, backward))]
-    if ws_runs(d, dv, D, backward, variant):   # the forward fed by the copy engine
-        runs.append(("flash2_fwd_ws", WS_BLOCKS[D]))
+    if ws_runs(d, dv, D, backward, variant):   # the kernels fed by the copy engine
+        runs.append(("flash2_bwd_ws", wg_blocks(D, True)) if backward
+                    else ("flash2_fwd_ws", WS_BLOCKS[D]))
     return any((block_sizes is None or tuple(block_sizes) == tiles)
                and smem_bytes(kernel, *tiles, D, D, dtype) <= smem_limit
                for kernel, tiles in runs)
@@ -221,12 +228,15 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
 
 def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
             variant: bool = False) -> bool:
-    """The Hopper forward of head dims d, dv (instance D) is the one fed by the copy engine
-    (flash2_ws.cu) on inputs whose rows a tensor map addresses: d = dv = D ∈ WS_HEAD_DIMS;
-    with softcap or ALiBi (``variant``) only where its tiles are flash2_fwd_wg's, whose
-    softcap/ALiBi instance a packed varlen batch's shares, so that a batch and each of its
-    sequences run the same arithmetic (bit for bit)."""
-    return (not backward and d == dv == D and D in WS_HEAD_DIMS
+    """The Hopper forward (or ``backward``) of head dims d, dv (instance D) is the one fed
+    by the copy engine (flash2_ws.cu) on inputs whose rows a tensor map addresses: d = dv
+    = D ∈ WS_HEAD_DIMS (WS_BWD_HEAD_DIMS); the forward with softcap or ALiBi
+    (``variant``) only where its tiles are flash2_fwd_wg's, whose softcap/ALiBi instance a
+    packed varlen batch's shares, so that a batch and each of its sequences run the same
+    arithmetic (bit for bit). The backward's tiles and steps are flash2_bwd_wg's."""
+    if backward:
+        return d == dv == D and D in WS_BWD_HEAD_DIMS
+    return (d == dv == D and D in WS_HEAD_DIMS
             and (not variant or WS_BLOCKS[D] == WG_BLOCKS[D]))
 
 
@@ -276,6 +286,8 @@ LAUNCH_SPECS = {s.kernel: s for s in (
     LaunchSpec("flash2_bwd_tc_det", "backward-main", "kv", "reversed", ("dQacc",)),
     LaunchSpec("flash2_bwd_wg", "backward-main", "kv", "natural", ("dQacc",)),
     LaunchSpec("flash2_bwd_wg_det", "backward-main", "kv", "reversed", ("dQacc",)),
+    LaunchSpec("flash2_bwd_ws", "backward-main", "kv", "natural", ("dQacc",)),
+    LaunchSpec("flash2_bwd_ws_det", "backward-main", "kv", "reversed", ("dQacc",)),
     LaunchSpec("flash2_bwd_postprocess", "backward-post", "q", "natural"),
 )}
 
@@ -319,6 +331,8 @@ def threads(kernel: str, d: int, cc: int) -> int:
         return WG_THREADS
     if kernel == "flash2_fwd_ws":
         return ws_threads(d)
+    if kernel in ("flash2_bwd_ws", "flash2_bwd_ws_det"):
+        return WS_BWD_THREADS
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         return TC_BWD_THREADS
     if kernel == "flash2_bwd_preprocess_tc":
@@ -338,8 +352,9 @@ REGISTERS = {
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 192: 250, 256: 251},
               "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
               "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 250, 256: 255},
-              "flash2_bwd_wg": {64: 250, 128: 234},
-              "flash2_bwd_wg_det": {64: 250, 128: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
+              "flash2_bwd_wg": {64: 253, 128: 238},
+              "flash2_bwd_wg_det": {64: 252, 128: 236}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
+              "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 120, 128: 165}, "splitkv_fwd_tc_m32": {64: 150, 128: 197},
               "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
@@ -395,10 +410,11 @@ class Instance:
 # kernels with VAR (softcap and ALiBi) and VL (packed varlen batches) template arguments:
 # a plain instance, a variant one, and a varlen one that runs the variants too
 VARIANT_KERNELS = ("flash2_fwd_tc", "flash2_bwd_tc", "flash2_bwd_tc_det", "flash2_fwd_wg",
-                   "flash2_bwd_wg", "flash2_bwd_wg_det", "flash2_fwd_ws")
+                   "flash2_bwd_wg", "flash2_bwd_wg_det", "flash2_fwd_ws", "flash2_bwd_ws",
+                   "flash2_bwd_ws_det")
 # kernels fed by the copy engine (TMA), whose tensor maps bound each problem's rows: a
 # plain and a softcap/ALiBi instance, no packed varlen one
-WS_KERNELS = ("flash2_fwd_ws",)
+WS_KERNELS = ("flash2_fwd_ws", "flash2_bwd_ws", "flash2_bwd_ws_det")
 VARIANT_FLAGS = ((False, False), (True, False), (True, True))   # (VAR, VL)
 
 
@@ -421,6 +437,8 @@ def instances(source: str | None = None) -> list[Instance]:
                         "flash2_ws.cu": WS_HEAD_DIMS}[src]
                 if k.startswith("flash2_bwd_wg"):
                     dims = WG_BWD_HEAD_DIMS
+                elif k.startswith("flash2_bwd_ws"):
+                    dims = WS_BWD_HEAD_DIMS
                 elif k.startswith("flash2_bwd_tc"):
                     # every target builds them (one NVRTC module per source); Ampere
                     # launches no D = 192 (instance_dim)
@@ -533,6 +551,9 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         # K_j, V_j; Q_i, dO_i double-buffered; dSᵀ (swizzled, unpadded); L, D; and room
         # to start the tiles on 1024 bytes
         return (2 * Bc * d + 4 * Br * d + Bc * Br) * 2 + 4 * Br * 4 + 1024
+    if kernel in ("flash2_bwd_ws", "flash2_bwd_ws_det"):
+        # the same with WS_STAGES slots of Q_i, dO_i, L_i, D_i and dSᵀ double-buffered
+        return (2 * Bc * d + 2 * WS_STAGES * Br * d + 2 * Bc * Br) * 2 + 2 * WS_STAGES * Br * 4 + 1024
     if kernel == "flash1_fwd":      # K_j, V_j; Q_i, O_i; S; m, ℓ and O's two weights
         return (Bc * d + Bc * dv + Br * d + Br * dv + Br * Bc + 4 * Br) * a
     if kernel == "flash1_bwd":      # K_j, V_j, dK_j, dV_j; Q_i, dO_i, dQ_i; P, dS; m, ℓ, D

@@ -36,7 +36,7 @@
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
-#include "wgmma.cuh"
+#include "wg_bwd.cuh"
 
 namespace wg {
 
@@ -288,26 +288,11 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // one CTA per K/V tile j of Bc = 128 keys, the visited Q tiles streaming through shared
 // memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128 at D = 64, 64 at
 // D = 128). Two warpgroups, 64 keys each: dK_j and dV_j of its keys stay in a warpgroup's
-// registers (wgmma accumulators) for the whole loop. Per step:
-//   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
-//      BrB queries per warpgroup, two commit groups;
-//   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
-//      dV_j += Pᵀ dO_i (A = Pᵀ from registers: the accumulator layout is the A layout;
-//      B = dO_i MN-major), which runs while the warps wait for dPᵀ;
-//   3. dSᵀ = Pᵀ ∘ (dPᵀ − D), then dK_j += dSᵀ Q_i the same way, and dSᵀ into shared
-//      memory (the 128-byte swizzle) for
-//   4. dQ_i = dS K_j after a CTA barrier (a warpgroup needs every key's dS): A = dSᵀ
-//      MN-major (the instruction transposes it), B = K_j MN-major; each warpgroup one
-//      64 × 64 block of dQ_i (D = 128: its half of the columns; D = 64: its half of the
-//      queries), added to the fp32 accumulator with two-float atomics (or in turns: DET).
+// registers (wgmma accumulators) for the whole loop; a step's products and elementwise
+// work are wg_bwd.cuh's (shared with flash2_ws.cu's flash2_bwd_ws, which loads by TMA).
 // mma.sync needs ldmatrix for every fragment of the five products and 8 warps to keep
 // the tensor cores fed; here the tensor cores read shared memory themselves and the
 // warps only run the elementwise work and the atomics.
-namespace wgb {
-constexpr int Bc = 128, THREADS = 256;
-template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
-}  // namespace wgb
-
 template <typename T, int D, bool DET, bool VAR, bool VL>
 __device__ __forceinline__ void
 bwd_wg(FLASHSIM_BWD_PARAMS) {
@@ -317,7 +302,6 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     static_assert(wg::THREADS == wgb::THREADS, "load_tile's passes assume two warpgroups");
     constexpr int Bc = wgb::Bc, BrB = wgb::brb<D>();
     constexpr float LOG2E = 1.4426950408889634f;
-    const float scale_log2 = scale * LOG2E;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const unsigned sK = base;                        // Bc·D, D/64 column blocks of Bc rows
@@ -328,8 +312,7 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     float* sL = reinterpret_cast<float*>(smem_raw + (sdS + Bc * BrB * 2 - smem_addr(smem_raw)));   // 2 × BrB, L·log2(e)
     float* sD = sL + 2 * BrB;                                                                     // 2 × BrB
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, grp = warp >> 2;
-    const int g = lane >> 2, tig = lane & 3;
+    const int tid = threadIdx.x;
     // deterministic mode takes the tiles from the last (flash2_bwd_tc's order and turns)
     const int p = blockIdx.y;
     const Seq sq = seq_at<VL>(vl, DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, Nq, Nk, BrB);
@@ -338,7 +321,7 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     const Band band{left, right, nk - nq};
     int ilo, ihi;                                    // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
-    const int kr = grp * 64 + (warp & 3) * 16 + g;   // this thread's keys kr, kr + 8 in the tile
+    const wgb::Tile tile{sK, sV, j0, cols, nq, nk, band};
 
     float dv_acc[D / 2], dk_acc[D / 2];                      // dV_j, dK_j of the warpgroup's 64 keys
 #pragma unroll
@@ -365,6 +348,18 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
         }
         cp_async_commit();
     };
+    auto slope = [&]() {
+        return slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f;
+    };
+    auto wait = [&](int i, int rows) {
+        wgb::Turn t{nullptr, 0};
+        t.counter = dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &t.mine);
+        if constexpr (DET) wait_turn(t.counter, t.mine);
+        return t;
+    };
+    auto pass = [&](wgb::Turn t) {
+        if constexpr (DET) pass_turn(t.counter, t.mine);   // tile j − 1 adds next
+    };
 
     if (ihi >= ilo) {
         load_tile<T, D, Bc>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols, d);   // HBM→SRAM: K_j (Bc·d)
@@ -375,168 +370,24 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     }
     for (int i = ilo; i <= ihi; ++i) {
         const int buf = (i - ilo) & 1;
-        const int i0 = i * BrB, rows = min(BrB, nq - i0);
-        const unsigned qb = sQ + buf * BrB * D * 2, dob = sdO + buf * BrB * D * 2;
         // step i's tiles have landed and every warp is done with step i − 1 (its buffers,
         // dSᵀ): step i + 1 may stream in
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
         if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
-
-        // 1. Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ: 64 keys × BrB queries, k = D
-        float s[BrB / 2], dp[BrB / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned step = (kk & 3) << 5;
-            Wgmma<T, BrB>::ss(s, desc(sK + (kk >> 2) * (Bc * 128) + grp * 64 * 128 + step, 16, 1024),
-                              desc(qb + (kk >> 2) * (BrB * 128) + step, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned step = (kk & 3) << 5;
-            Wgmma<T, BrB>::ss(dp, desc(sV + (kk >> 2) * (Bc * 128) + grp * 64 * 128 + step, 16, 1024),
-                              desc(dob + (kk >> 2) * (BrB * 128) + step, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-        // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per
-        // score, kept until dPᵀ landed, spilled at D = 64
-        wgmma_wait<VAR ? 0 : 1>();                   // Sᵀ is done; dPᵀ may run on
-        fence_regs<BrB / 2>(s);
-        if constexpr (VAR) fence_regs<BrB / 2>(dp);
-
-        // 2. Pᵀ, then dV_j += Pᵀ dO_i. Register 4t + e holds key kr + 8·(e ≥ 2), query
-        //    8t + 2·tig + (e & 1) of the step. Keys past Nk and pairs outside the band are
-        //    zeroed only in the steps that have them.
-        const bool partial = cols < Bc
-            || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
-            || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
-        const float* sLb = sL + buf * BrB;
-        const float* sDb = sD + buf * BrB;
-        VarScores vs{};
-        float dist0 = 0.f;
-        if constexpr (VAR) {
-            vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
-            dist0 = (float)(i0 + tig * 2 + (nk - nq) - j0 - kr);   // q + off − key, per step
-        }
-#pragma unroll
-        for (int t = 0; t < BrB / 8; ++t) {
-            const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float l = (e & 1) ? l2.y : l2.x;
-                float th = 0.f;
-                if constexpr (VAR)
-                    s[4 * t + e] = ex2(fmaf(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &th), vs.scale(), -l));
-                else
-                    s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -l));
-                if (partial) {
-                    const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
-                    if (key >= nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
-                }
-                if constexpr (VAR) {                 // dSᵀ through the softcap (th = 0 without)
-                    const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
-                    dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-th, th, 1.f);
-                }
-            }
-        }
-        unsigned pf[BrB / 16][4], dsf[BrB / 16][4];  // Pᵀ, dSᵀ in T: A operands, k-step of 16 queries
-#pragma unroll
-        for (int t = 0; t < BrB / 8; ++t) {
-            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
-            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
-        }
-        fence_regs<D / 2>(dv_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BrB / 16; ++kk)
-            Wgmma<T, D>::rs(dv_acc, pf[kk], desc(dob + kk * 16 * 128, BrB * 128, 1024));
-        wgmma_commit();
-        if constexpr (!VAR) {
-            wgmma_wait<1>();                         // dPᵀ is done; dV_j's product may run on
-            fence_regs<BrB / 2>(dp);
-        }
-
-        // 3. dSᵀ = Pᵀ ∘ (dPᵀ − D) (VAR: formed above), dK_j += dSᵀ Q_i, dSᵀ to shared
-        //    memory: key row kr, query q at block q/64, 16-byte chunk (q%64)/8 ^ (kr & 7)
-#pragma unroll
-        for (int t = 0; t < BrB / 8; ++t) {
-            if constexpr (!VAR) {
-                const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
-            }
-            dsf[t >> 1][(t & 1) * 2 + 0] = pack<T>(dp[4 * t], dp[4 * t + 1]);
-            dsf[t >> 1][(t & 1) * 2 + 1] = pack<T>(dp[4 * t + 2], dp[4 * t + 3]);
-            const unsigned at0 = sdS + (t >> 3) * (Bc * 128) + kr * 128 + (((t & 7) ^ g) << 4) + tig * 4;
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0), "r"(dsf[t >> 1][(t & 1) * 2 + 0]) : "memory");
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0 + 8 * 128), "r"(dsf[t >> 1][(t & 1) * 2 + 1]) : "memory");
-        }
-        fence_regs<D / 2>(dk_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BrB / 16; ++kk)
-            Wgmma<T, D>::rs(dk_acc, dsf[kk], desc(qb + kk * 16 * 128, BrB * 128, 1024));
-        wgmma_commit();
-        fence_proxy_async();                         // dSᵀ, written by the warps, read by wgmma
-        asm volatile("bar.sync 1, %0;\n" :: "n"(THREADS) : "memory");   // every key's dSᵀ
-
-        // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × 64 columns, k = Bc
-        {
-            constexpr int QB = BrB / 64;             // query blocks: the warpgroups split
-            const int qblk = grp % QB, nblk = grp / QB;   // queries (D = 64) or columns (D = 128)
-            float dq[32];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < Bc / 16; ++kk)
-                Wgmma<T, 64>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
-                                    desc(sK + nblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
-            wgmma_commit();
-            wgmma_wait<0>();                         // and dV_j's, dK_j's products
-            fence_regs<32>(dq);
-            fence_regs<D / 2>(dv_acc);
-            fence_regs<D / 2>(dk_acc);
-#pragma unroll
-            for (int kk = 0; kk < BrB / 16; ++kk) {  // the products have read Pᵀ, dSᵀ: only now
-                asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
-                asm volatile("" : "+r"(dsf[kk][0]), "+r"(dsf[kk][1]), "+r"(dsf[kk][2]), "+r"(dsf[kk][3]));
-            }
-            const long long q_row = (long long)p * Nq + sq.q0 + i0;
-            int mine = 0;
-            int* turn = dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
-            if constexpr (DET) wait_turn(turn, mine);
-            const int r0 = qblk * 64 + (warp & 3) * 16 + g, r1 = r0 + 8;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                const int c = nblk * 64 + t * 8 + tig * 2;
-                if (c >= d) break;                            // the instance's columns past d
-                if (r0 < rows) add2(dQacc + (q_row + r0) * d + c, scale * dq[4 * t], scale * dq[4 * t + 1]);
-                if (r1 < rows) add2(dQacc + (q_row + r1) * d + c, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
-            }
-            if constexpr (DET) pass_turn(turn, mine);          // tile j − 1 adds next
-        }
+        wgb::step<T, D, VAR, 0, 1>(tile, (long long)p * Nq + sq.q0, i, sQ + buf * BrB * D * 2, sdO + buf * BrB * D * 2, sdS,
+                                sL + buf * BrB, sD + buf * BrB, dv_acc, dk_acc, scale, k_in, k_out,
+                                dQacc, d, slope, [] {}, wait, pass);
     }
     // the traffic, counted once after the loop, as flash2_bwd_tc's
     if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
-    T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
-    T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv;
-    const int r1 = kr + 8;
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const int c = t * 8 + tig * 2;                // (columns past d, dv: not stored)
-        if (kr < cols) {
-            if (c < d) *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + c) = pack<T>(scale * dk_acc[4 * t], scale * dk_acc[4 * t + 1]);
-            if (c < dv) *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + c) = pack<T>(dv_acc[4 * t], dv_acc[4 * t + 1]);
-        }
-        if (r1 < cols) {
-            if (c < d) *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + c) = pack<T>(scale * dk_acc[4 * t + 2], scale * dk_acc[4 * t + 3]);
-            if (c < dv) *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + c) = pack<T>(dv_acc[4 * t + 2], dv_acc[4 * t + 3]);
-        }
-    }
+    wgb::store_dkv<T, D, 0>(tile, dk_acc, dv_acc,
+                         dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk,
+                         dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv,
+                         lddk, lddv, d, dv, scale);
     COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
     COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));      // SRAM→HBM: dV_j (Bc·dv)
 #else

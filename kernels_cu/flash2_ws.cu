@@ -35,7 +35,7 @@
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO (the accounting rules'
 // rows, whatever the copy engine zero-fills).
 
-#include "wgmma.cuh"
+#include "wg_bwd.cuh"
 
 namespace ws {
 
@@ -282,4 +282,188 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();
 #endif
+}
+
+// flash2_bwd_ws<T, D, VAR>, flash2_bwd_ws_det<T, D, VAR>: the backward main loop of
+// flash2_bwd_wg (its schedule, tiles, steps — wg_bwd.cuh's — and so its bits and counted
+// bytes) with the data moved as flash2_fwd_ws moves it:
+//   - a producer warpgroup: one thread issues TMA copies of K_j, V_j (once) and of Q_i,
+//     dO_i per step into a ring of STAGES slots, completing a slot's "full" mbarrier by
+//     their bytes; one warp brings L_i·log2(e) and D_i of the step beside them and
+//     arrives on it too. The consumers free a slot ("empty") once their products have
+//     read it. Rows past Nq arrive zero-filled (the tensor map's bound), with L = +∞, so
+//     P and dS are 0 there as in flash2_bwd_wg;
+//   - setmaxnreg: the producer keeps PRODUCER_REGS registers, the two consumer
+//     warpgroups take the rest (the step's instances need ~240);
+//   - no CTA barrier in the loop: the consumers meet only at the step's dSᵀ barrier
+//     (named, 256 threads), and dSᵀ is double-buffered, so that a warpgroup may write the
+//     next step's while the other still reads this one's (a warpgroup passes step i + 1's
+//     barrier only once the other has arrived there, after its step i product read dSᵀ).
+namespace wsb {
+constexpr int THREADS = 384, STAGES = 2, PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = ((65536 / THREADS & ~7) * 3 - PRODUCER_REGS) / 2 & ~7;   // 240
+}  // namespace wsb
+
+template <typename T, int D, bool DET, bool VAR>
+__device__ __forceinline__ void
+bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* tmV,
+       const wg::TensorMap* tmdO, const int* __restrict__ crd, const long long* __restrict__ at,
+       const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc,
+       T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int left,
+       int right, float scale, float k_in, float k_out, const float* __restrict__ slopes,
+       int* __restrict__ sem, unsigned long long* io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace wg;
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    constexpr int Bc = wgb::Bc, BrB = wgb::brb<D>(), STAGES = wsb::STAGES;
+    constexpr unsigned TILE_KV = Bc * D * 2, TILE_Q = BrB * D * 2, TILE_dS = Bc * BrB * 2;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ unsigned char smem_raw[];
+    const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const unsigned sK = base;                        // Bc·D, D/64 column blocks of Bc rows
+    const unsigned sV = sK + TILE_KV;                // Bc·D
+    const unsigned sQ = sV + TILE_KV;                // STAGES slots of BrB·D
+    const unsigned sdO = sQ + STAGES * TILE_Q;       // STAGES slots of BrB·D
+    const unsigned sdS = sdO + STAGES * TILE_Q;      // 2 × dSᵀ: Bc keys × BrB queries
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + 2 * TILE_dS - smem_addr(smem_raw)));   // STAGES × BrB
+    float* sD = sL + STAGES * BrB;                                                              // STAGES × BrB
+    // mbarriers: K_j, V_j full; per slot full, empty
+    __shared__ __align__(8) unsigned long long bars[1 + 2 * STAGES];
+    const unsigned bKV = smem_addr(bars);
+    auto full = [&](int s) { return bKV + 8 * (1 + s); };
+    auto empty = [&](int s) { return bKV + 8 * (1 + STAGES + s); };
+
+    const int warp = threadIdx.x >> 5, grp = warp >> 2, lane = threadIdx.x & 31;
+    // deterministic mode takes the tiles from the last (flash2_bwd_wg_det's order)
+    const int p = blockIdx.y;
+    const int j = DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, nq = Nq, nk = Nk;
+    const int j0 = j * Bc, cols = min(Bc, nk - j0);
+    const Band band{left, right, nk - nq};
+    int ilo, ihi;                                    // visited Q tiles, in units of BrB rows
+    band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
+    // the traffic, counted once before the roles part, as flash2_bwd_wg's after its loop
+    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, D, D);
+    COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·dv)
+    if (threadIdx.x == 0) {
+        mbar_init(bKV, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1 + 32);              // the TMA thread's arrival (and the
+            mbar_init(empty(s), 8);                  // bytes), L/D's warp; the consumer warps
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (grp == 0) {
+        // -- the producer -----------------------------------------------------------------
+        if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_dec<wsb::PRODUCER_REGS>();
+        if (ihi < ilo) return;
+        if (threadIdx.x == 0) {
+            // crd: per problem, the column and problem coordinates of row 0 of Q, K, V, dO
+            const int cq = crd[8 * p], zq = crd[8 * p + 1], ck = crd[8 * p + 2], zk = crd[8 * p + 3],
+                      cv = crd[8 * p + 4], zv = crd[8 * p + 5], co = crd[8 * p + 6], zo = crd[8 * p + 7];
+            mbar_expect_tx(bKV, 2 * TILE_KV);        // HBM→SRAM: K_j (Bc·d), V_j (Bc·dv)
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {
+                tma_load_3d(sK + cb * Bc * 128, tmK, ck + cb * 64, j0, zk, bKV);
+                tma_load_3d(sV + cb * Bc * 128, tmV, cv + cb * 64, j0, zv, bKV);
+            }
+            for (int i = ilo; i <= ihi; ++i) {
+                const int n = i - ilo, s = n % STAGES;
+                mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1);   // the slot's last step is read
+                mbar_expect_tx(full(s), 2 * TILE_Q); // HBM→SRAM: Q_i (Br·d), dO_i (Br·dv)
+#pragma unroll
+                for (int cb = 0; cb < D / 64; ++cb) {
+                    tma_load_3d(sQ + s * TILE_Q + cb * BrB * 128, tmQ, cq + cb * 64, i * BrB, zq, full(s));
+                    tma_load_3d(sdO + s * TILE_Q + cb * BrB * 128, tmdO, co + cb * 64, i * BrB, zo, full(s));
+                }
+            }
+        } else if (warp == 1) {
+            for (int i = ilo; i <= ihi; ++i) {
+                const int n = i - ilo, s = n % STAGES, i0 = i * BrB, rows = min(BrB, nq - i0);
+                const long long q_row = (long long)p * Nq + i0;
+                mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1);
+                // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞):
+                // there 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
+                for (int r = lane; r < BrB; r += 32) {
+                    const float l = r < rows ? L[q_row + r] : neg_inf<float>();   // HBM→SRAM: L_i (Br)
+                    sL[s * BrB + r] = l == neg_inf<float>() ? -neg_inf<float>() : l * LOG2E;
+                    sD[s * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;               // HBM→SRAM: D_i (Br)
+                }
+                mbar_arrive(full(s));                // release: the stores above come first
+            }
+        }
+        return;
+    }
+
+    // -- the consumers: warpgroup grp − 1 owns keys 64·(grp − 1) … of the tile -----------
+    if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_inc<wsb::CONSUMER_REGS>();
+    const wgb::Tile tile{sK, sV, j0, cols, nq, nk, band};
+    float dv_acc[D / 2], dk_acc[D / 2];              // dV_j, dK_j of the warpgroup's 64 keys
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) dv_acc[x] = dk_acc[x] = 0.f;
+    auto slope = [&]() { return slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f; };
+    // deterministic: the consumers (threads 128 … 383) wait for and pass the turn
+    auto wait = [&](int i, int rows) {
+        wgb::Turn t{nullptr, 0};
+        t.counter = dq_turn<DET, false>(sem, nullptr, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &t.mine);
+        if constexpr (DET) {
+            if (threadIdx.x == 128) {
+                int v;
+                do {
+                    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(t.counter) : "memory");
+                } while (v != t.mine);
+            }
+            named_sync(2, wgb::THREADS);
+        }
+        return t;
+    };
+    auto pass = [&](wgb::Turn t) {
+        if constexpr (DET) {
+            named_sync(2, wgb::THREADS);             // every consumer thread has added
+            if (threadIdx.x == 128)
+                asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(t.counter), "r"(t.mine + 1) : "memory");
+        }
+    };
+    if (ihi >= ilo) mbar_wait(bKV, 0);
+    for (int i = ilo; i <= ihi; ++i) {
+        const int n = i - ilo, s = n % STAGES;
+        mbar_wait(full(s), (n / STAGES) & 1);
+        wgb::step<T, D, VAR, 1, 1>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
+                                   sdS + (n & 1) * TILE_dS, sL + s * BrB, sD + s * BrB, dv_acc, dk_acc,
+                                   scale, k_in, k_out, dQacc, D, slope,
+                                   [&] { if (lane == 0) mbar_arrive(empty(s)); }, wait, pass);
+    }
+    // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
+    wgb::store_dkv<T, D, 1>(tile, dk_acc, dv_acc,
+                            dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + j0 * (long long)lddk,
+                            dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + j0 * (long long)lddv,
+                            lddk, lddv, D, D, scale);
+#else
+    __trap();
+#endif
+}
+
+#define FLASHSIM_BWD_WS_PARAMS                                                                   \
+    const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,       \
+    const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmdO,      \
+    const int* __restrict__ crd, const long long* __restrict__ at, const float* __restrict__ L, \
+    const float* __restrict__ Dv, float* __restrict__ dQacc, T* __restrict__ dK,               \
+    T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int left, int right, float scale,  \
+    float k_in, float k_out, const float* __restrict__ slopes, int* __restrict__ sem,          \
+    unsigned long long* io
+#define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, lddk, \
+    lddv, left, right, scale, k_in, k_out, slopes, sem, io
+
+// dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
+template <typename T, int D, bool VAR>
+__global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws(FLASHSIM_BWD_WS_PARAMS) {
+    bwd_ws<T, D, false, VAR>(FLASHSIM_BWD_WS_ARGS);
+}
+
+// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
+template <typename T, int D, bool VAR>
+__global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws_det(FLASHSIM_BWD_WS_PARAMS) {
+    bwd_ws<T, D, true, VAR>(FLASHSIM_BWD_WS_ARGS);
 }

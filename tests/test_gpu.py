@@ -677,6 +677,54 @@ def test_the_tma_forward_at_other_head_dims(monkeypatch, d):
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("torch_in", [False, True])
+@pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(100, 30)),
+                                dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125])])
+def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_in, kw):
+    """flash2_bwd_ws (TMA, d = 128) runs where "auto" meets dense inputs on a 9.0 device
+    (PyTorch's fast path included) and gives flash2_bwd_wg's dk and dv bit for bit (same
+    tiles, same steps), dq to fp32 atomics' order, and deterministic=True the same bits
+    for all three; the same counted bytes; FLASHSIM_TMA=0 runs flash2_bwd_wg. Ragged,
+    Nq ≠ Nk, GQA, and a (B, N, H, d) layout read through its strides."""
+    if torch_in and not HAVE_TORCH:
+        pytest.skip("PyTorch with CUDA not installed")
+    from flashsim.gpu import flash2
+    calls = []
+    real = flash2._TmaLaunch.__call__
+    monkeypatch.setattr(flash2._TmaLaunch, "__call__",
+                        lambda self, *a, **k: (calls.append(self.name), real(self, *a, **k))[1])
+    rng = np.random.default_rng(19)
+    q = rng.standard_normal((2, 333, 4, 128)).astype(np.float16).transpose(0, 2, 1, 3)
+    k, v = (rng.standard_normal((2, 2, 517, 128)).astype(np.float16) for _ in range(2))
+    q[..., :2, :] *= 8                                   # outliers
+    if "alibi_slopes" in kw:
+        kw = dict(alibi_slopes=kw["alibi_slopes"] + [0.75])
+    if torch_in:
+        q, k, v = (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in (q, k, v))
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)   # (B, N, H, d) memory
+    else:
+        import cupy as cp
+        q, k, v = (cp.asarray(x) for x in (q, k, v))
+    monkeypatch.setenv("FLASHSIM_TMA", "0")
+    out, lse = fs.gpu.attention(q, k, v, **kw)
+    dout = (torch.randn_like(out) if torch_in
+            else cp.asarray(rng.standard_normal(out.shape).astype(np.float16)))
+
+    def grads(**more):
+        return fs.gpu.attention_backward(q, k, v, out, lse, dout, **kw, **more)
+    wg = [grads(), grads(deterministic=True), grads(count_io=True)]
+    assert calls == []
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    ws = [grads(), grads(deterministic=True), grads(count_io=True)]
+    assert calls == ["flash2_bwd_ws", "flash2_bwd_ws_det", "flash2_bwd_ws"]
+    for a, b in zip(ws[0][1:] + ws[1] + ws[2][1:3], wg[0][1:] + wg[1] + wg[2][1:3]):
+        assert np.array_equal(host(a), host(b))
+    np.testing.assert_allclose(host(ws[0][0]), host(wg[0][0]), rtol=2e-3, atol=2e-3)
+    assert all(np.isfinite(host(x)).all() for x in ws[0])
+    assert ws[2][3] == wg[2][3]
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 def test_the_sm90a_build_is_cached_on_disk(monkeypatch, tmp_path):
     """NVRTC's sm_90a cubin is kept under CUPY_CACHE_DIR and read back by a new process
     (here: a cleared in-memory cache, and a compiler that must not be called)."""

@@ -297,6 +297,11 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
                 assert line, "the fast backwards' j mapping moved"
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
+            if name in ("flash2_bwd_ws", "flash2_bwd_ws_det"):     # no varlen instance
+                assert re.search(r"const int j = DET \? gridDim\.x - 1 - blockIdx\.x : "
+                                 r"blockIdx\.x", body), "the TMA backward's j mapping moved"
+                assert spec.order == ("reversed" if name.endswith("_det") else "natural")
+                continue
             m = re.search(r"__global__ void[^;{]*?\b" + name + r"\(", body)
             assert m, name
             after = body[m.end():m.end() + 4000]
@@ -344,9 +349,13 @@ def test_grids_threads_and_occupancy():
                       "float16", H100)
     assert w.kernel == "flash2_fwd_wg" and w.threads == 256      # dv ≠ d: the cp.async kernel
     pre, main, post = h.launches(shape, "float16", H100, backward=True)
+    # d = dv = 128: the backward fed by the copy engine, flash2_bwd_wg's tiles
     assert (pre.kernel, main.kernel, post.kernel) == (
-        "flash2_bwd_preprocess_tc", "flash2_bwd_wg", "flash2_bwd_postprocess")
-    assert (main.Br, main.Bc) == K.WG_BWD_BLOCKS[128] and main.threads == 256
+        "flash2_bwd_preprocess_tc", "flash2_bwd_ws", "flash2_bwd_postprocess")
+    assert (main.Br, main.Bc) == K.WG_BWD_BLOCKS[128] and main.threads == 384
+    (_, w64, _) = h.launches(make_shape(Nq=4096, Nk=2048, d=64, batch_shape=(2, 4)), "float16",
+                             H100, backward=True)
+    assert w64.kernel == "flash2_bwd_wg" and w64.threads == 256
     _, tc_main, _ = h.launches(shape, "float16", H100, backward=True, launch="tc")
     assert tc_main.kernel == "flash2_bwd_tc"
     assert pre.grid == (4096 // K.TC_PRE_BR, 8) and main.grid == (2048 // 128, 8)

@@ -48,9 +48,10 @@ def test_every_kernel_compiles_without_spills(arch):
     # them, plus the backward's 2 kernels at 192 (plain, softcap/ALiBi, varlen) × 2; wg
     # (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 dtypes × 5 head dims
     # (32, 64, 96, 128, 256) and the backward's 2 kernels × 2 × 2 (64, 128); the wg forward
-    # fed by TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
+    # fed by TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and its backward's
+    # 2 kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (24 + 36) + 2 * 2 * 3
-                                 + (30 + 24 + 12 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (30 + 24 + 12 + 8 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -101,7 +102,8 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
             Br, Bc = kernels.tc_blocks(d, cc // 10, r.variant)
         elif r.kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
             Br, Bc = kernels.tc_bwd_blocks(d, cc // 10)
-        elif r.kernel in ("flash2_bwd_wg", "flash2_bwd_wg_det"):
+        elif r.kernel in ("flash2_bwd_wg", "flash2_bwd_wg_det", "flash2_bwd_ws",
+                          "flash2_bwd_ws_det"):
             Br, Bc = kernels.wg_blocks(d, backward=True)
         elif r.kernel.startswith("splitkv_fwd_tc_m"):
             Br, Bc = int(r.kernel.rsplit("_m", 1)[1]), kernels.SPLITKV_BC
@@ -167,7 +169,7 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     tiles are flash2_fwd_wg's (so a varlen batch and its sequences agree bit for bit)."""
     for D in kernels.WS_HEAD_DIMS:
         assert kernels.ws_runs(D, D, D)
-        assert not kernels.ws_runs(D, D, D, backward=True)
+        assert kernels.ws_runs(D, D, D, backward=True) == (D in kernels.WS_BWD_HEAD_DIMS)
         assert kernels.ws_runs(D, D, D, variant=True) == (
             kernels.WS_BLOCKS[D] == kernels.WG_BLOCKS[D])
     assert not kernels.ws_runs(56, 56, 64) and not kernels.ws_runs(64, 32, 64)
@@ -176,6 +178,11 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128))
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128), variant=True)
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 128))
+    # the backward fed by TMA at d = 128 (softcap/ALiBi too): flash2_bwd_wg's tiles
+    assert kernels.WS_BWD_HEAD_DIMS == (128,)
+    assert kernels.ws_runs(128, 128, 128, backward=True, variant=True)
+    assert not kernels.ws_runs(120, 120, 128, backward=True)
+    assert kernels.smem_bytes("flash2_bwd_ws", 64, 128, 128, 128, "float16") <= 227 * 1024
     # a producer warpgroup and one consumer per 64 rows: three at d = 64, two at 96 and 128
     assert [kernels.threads("flash2_fwd_ws", D, 90) for D in (64, 96, 128)] == [512, 384, 384]
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 64), variant=True)

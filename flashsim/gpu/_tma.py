@@ -1,9 +1,9 @@
-"""Tensor maps for the Hopper forward fed by the copy engine (kernels_cu/flash2_ws.cu).
+"""Tensor maps for the Hopper kernels fed by the copy engine (kernels_cu/flash2_ws.cu).
 
 A TMA load copies a box of a tensor that a tensor map (CUtensorMap, 128 bytes) describes:
 its address, up to five dimensions with their byte strides, the box and the swizzle the
-copy writes into shared memory. The kernels read each of Q, K, V through a row table
-(element offset of row 0 per problem, rows ``ld`` elements apart); here that table
+copy writes into shared memory. The kernels read each of Q, K, V (and the backward dO) through a row
+table (element offset of row 0 per problem, rows ``ld`` elements apart); here that table
 becomes a 3-D map per tensor, (columns, rows, problems) = (ld, N, Z), and per problem a
 column and a problem coordinate of its row 0:
 
@@ -12,8 +12,8 @@ column and a problem coordinate of its row 0:
 with zs the greatest common divisor of the offsets' row parts. Rows past N of a problem
 lie outside the map, so the copy engine zero-fills a ragged last tile as the accounting
 rules assume. Layouts that do not decompose so (or whose strides TMA cannot take: a
-multiple of 16 bytes) return None, and the launcher runs flash2_wg.cu's forward, which
-copies with cp.async. The maps are encoded on the host by the driver's
+multiple of 16 bytes) return None, and the launcher runs flash2_wg.cu's kernels, which
+copy with cp.async. The maps are encoded on the host by the driver's
 cuTensorMapEncodeTiled, through ctypes (CuPy does not wrap it)."""
 
 from __future__ import annotations
@@ -49,14 +49,18 @@ def _encode():
     return f
 
 
-def layout(tab: np.ndarray, ld, N: dict, d: int):
-    """(crd, geoms) for the Q, K, V columns of the host row table ``tab`` (problems ×
-    AT_NUM) with row strides ``ld`` and row counts ``N`` (per column): crd the int32
-    (problems, 6) table (c, z of Q, K, V), geoms per column (ld, N, Z, zs) in elements;
-    or None where a tensor does not decompose as above."""
-    crd = np.zeros((tab.shape[0], 6), np.int32)
+FORWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V)                 # flash2_fwd_ws's maps
+BACKWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_dO)  # flash2_bwd_ws's
+
+
+def layout(tab: np.ndarray, ld, N: dict, d: int, cols=FORWARD):
+    """(crd, geoms) for the columns ``cols`` (Q, K, V by default) of the host row table
+    ``tab`` (problems × AT_NUM) with row strides ``ld`` and row counts ``N`` (per column):
+    crd the int32 (problems, 2·len(cols)) table (c, z of each column), geoms per column
+    (ld, N, Z, zs) in elements; or None where a tensor does not decompose as above."""
+    crd = np.zeros((tab.shape[0], 2 * len(cols)), np.int32)
     geoms = []
-    for n, t in enumerate((arrays.AT_Q, arrays.AT_K, arrays.AT_V)):
+    for n, t in enumerate(cols):
         off, l = tab[:, t], int(ld[t])
         if l % 8:                               # row stride: a multiple of 16 bytes
             return None
@@ -78,8 +82,9 @@ def layout(tab: np.ndarray, ld, N: dict, d: int):
 @functools.lru_cache(maxsize=256)
 def plan(table_key: tuple, ld: tuple, N: tuple, d: int, device: int):
     """(crd on the device, geoms) for the row table of ``table_key`` (_arrays.table_key),
-    cached; None where `layout` finds no tensor maps for it."""
-    got = layout(arrays.host_table(*table_key), ld, dict(enumerate(N)), d)
+    cached, with ``N`` the (column, rows) of each map in order; None where `layout` finds
+    no tensor maps for it."""
+    got = layout(arrays.host_table(*table_key), ld, dict(N), d, tuple(t for t, _ in N))
     if got is None:
         return None
     crd, geoms = got
@@ -107,10 +112,10 @@ def tensor_map(ptr: int, geom: tuple, box_rows: int, cols: int = 64) -> bytes | 
     return ctypes.string_at(addr, 128)
 
 
-def maps(ptrs, geoms, Br: int, Bc: int, D: int):
-    """The tensor maps of Q (boxes of Br rows), K and V (Bc rows) for the instance of
-    head dim D, or None."""
+def maps(ptrs, geoms, rows: tuple, D: int):
+    """The tensor maps of the tensors at ``ptrs`` (boxes of ``rows`` rows each: Br for Q,
+    Bc for K and V in the forward) for the instance of head dim D, or None."""
     out = tuple(tensor_map(int(x), g, r, box_cols(D))
-                for x, g, r in zip(ptrs, geoms, (Br, Bc, Bc)))
+                for x, g, r in zip(ptrs, geoms, rows))
     return None if None in out else out
 

@@ -443,11 +443,25 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
                    (oi.arr, doi.arr, at, Dr, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO], i32(d),
                     i32(dv), io), threads=K.threads(name, Dp, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
-        smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
-        dev.launch(cp, dev.kernel(name, dtype, count_io, D, var), grid(name), smem,
-                   (*main, *lds, i32(d), i32(dv), i32(left), i32(right), np.float32(scale),
-                    *_fast_variants(cp, scale, softcap, slopes), sem, np.uint64(0), io),
-                   threads=K.threads(name, D, cc))
+        k_in, k_out, sl = _fast_variants(cp, scale, softcap, slopes)
+        ws = None if which != "wg" else _ws_backward(
+            cp, shape, dtype, count_io, var, deterministic,
+            {A.AT_Q: (qi.arr, "q"), A.AT_K: (ki.arr, "k"), A.AT_V: (vi.arr, "k"),
+             A.AT_dO: (doi.arr, "q")}, ld)
+        if ws is not None:       # the Hopper backward fed by the copy engine
+            ws(cp.cuda.get_current_stream().ptr,
+               tuple(dev.pointer(x) for x in (qi.arr, ki.arr, vi.arr, doi.arr)),
+               ws.crd.data.ptr, at.data.ptr, L.data.ptr, Dr.data.ptr, dQacc.data.ptr,
+               dev.pointer(dK), dev.pointer(dV), Nq, Nk, int(ld[A.AT_dK]), int(ld[A.AT_dV]),
+               left, right, scale, float(k_in), float(k_out),
+               0 if isinstance(sl, np.uint64) else sl.data.ptr,
+               0 if isinstance(sem, np.uint64) else sem.data.ptr, io.data.ptr)
+        else:
+            smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
+            dev.launch(cp, dev.kernel(name, dtype, count_io, D, var), grid(name), smem,
+                       (*main, *lds, i32(d), i32(dv), i32(left), i32(right), np.float32(scale),
+                        k_in, k_out, sl, sem, np.uint64(0), io),
+                       threads=K.threads(name, D, cc))
     else:
         dev.launch(cp, dev.kernel("flash2_bwd_preprocess", dtype, count_io),
                    grid("flash2_bwd_preprocess"), 0,
@@ -520,52 +534,116 @@ class _Launcher:
                     stream, 0, ctypes.addressof(extra))
 
 
-class _WsForward:
-    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides: its tensor maps are
-    encoded per call from the tensors' addresses (cached per address) and passed by value.
-    It launches with cuLaunchKernel's array of parameter pointers: from one packed buffer
-    (_Launcher's CU_LAUNCH_PARAM_BUFFER_POINTER) the driver does not hand a
+class _TmaLaunch:
+    """A kernel whose leading parameters are tensor maps (flash2_ws.cu's
+    __grid_constant__ CUtensorMap), for one set of shapes and strides: the maps are
+    encoded per call from the tensors' addresses (cached per address) and passed by
+    value, the other parameters (``types``: "Q" 64-bit pointers, "i" int32, "f" float32)
+    follow. It launches with cuLaunchKernel's array of parameter pointers: from one
+    packed buffer (_Launcher's CU_LAUNCH_PARAM_BUFFER_POINTER) the driver does not hand a
     __grid_constant__ tensor map to the copy engine intact (an illegal instruction at the
     first TMA load on an H100)."""
 
-    def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int, D: int):
+    _CTYPES = {"Q": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
+
+    def __init__(self, kernel, name: str, grid, threads: int, smem: int, geoms, rows, D: int,
+                 types: str):
         self.fptr = kernel.kernel.ptr
         if smem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = smem
-        self.grid, self.smem = grid, smem
-        self.crd, self.geoms, self.Br, self.Bc, self.D = crd, geoms, Br, Bc, D
+        self.name, self.grid, self.threads, self.smem = name, grid, threads, smem
+        self.geoms, self.rows, self.D = geoms, tuple(rows), D
         self.launch = dev.cupy().cuda.driver.launchKernel
-        c = ctypes
-        # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, left, right | scale·log2e, k_in, k_out
-        # | slopes, io: one C object per parameter, rewritten in place per call
-        self.maps = [c.create_string_buffer(128) for _ in range(3)]
-        self.ptrs = [c.c_uint64(crd.data.ptr)] + [c.c_uint64() for _ in range(3)]
-        self.ints = [c.c_int32() for _ in range(5)]
-        self.floats = [c.c_float() for _ in range(3)]
-        self.tail_ptrs = [c.c_uint64() for _ in range(2)]
-        objs = self.maps + self.ptrs + self.ints + self.floats + self.tail_ptrs
-        self.params = (c.c_void_p * len(objs))(*[c.addressof(x) for x in objs])
+        # one C object per parameter, rewritten in place per call
+        self.maps = [ctypes.create_string_buffer(128) for _ in geoms]
+        self.args = [self._CTYPES[t]() for t in types]
+        objs = self.maps + self.args
+        self.params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(x) for x in objs])
+
+    def set(self, values, start: int = 0):
+        """Parameters start, start + 1, … (after the maps) take ``values``."""
+        for obj, x in zip(self.args[start:], values):
+            obj.value = x
+
+    def __call__(self, stream: int, tensors, *values):
+        """Launch on ``stream`` with maps of the tensors at addresses ``tensors`` and the
+        leading other parameters set to ``values`` (the rest as last set)."""
+        if 0 in self.grid:
+            return
+        maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
+        if maps is None:
+            raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
+                               f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
+                               "flash2_wg.cu's kernel instead")
+        for buf, m in zip(self.maps, maps):
+            ctypes.memmove(buf, m, 128)
+        self.set(values)
+        self.launch(self.fptr, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem,
+                    stream, ctypes.addressof(self.params), 0)
+
+
+class _WsForward(_TmaLaunch):
+    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides."""
+
+    # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, left, right | scale·log2e, k_in, k_out
+    # | slopes, io
+    def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int, D: int):
+        super().__init__(kernel, "flash2_fwd_ws", grid, K.ws_threads(D), smem, geoms,
+                         (Br, Bc, Bc), D, "QQQQiiiiifffQQ")
+        self.crd = crd
+        self.args[0].value = crd.data.ptr
 
     def set_tail(self, Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io):
-        for obj, x in zip(self.ints + self.floats + self.tail_ptrs,
-                          (Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io)):
-            obj.value = x
+        self.set((Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io), 4)
 
     def __call__(self, stream: int, q: int, k: int, v: int, at: int, O: int, L: int,
                  tail=None):
-        maps = _tma.maps((q, k, v), self.geoms, self.Br, self.Bc, self.D)
-        if maps is None:
-            raise RuntimeError("the driver refused the tensor maps of flash2_fwd_ws "
-                               f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
-                               "flash2_fwd_wg instead")
-        for buf, m in zip(self.maps, maps):
-            ctypes.memmove(buf, m, 128)
-        for obj, x in zip(self.ptrs[1:], (at, O, L)):
-            obj.value = x
         if tail is not None:
             self.set_tail(*tail)
-        self.launch(self.fptr, self.grid[0], self.grid[1], 1, K.ws_threads(self.D), 1, 1, self.smem,
-                    stream, ctypes.addressof(self.params), 0)
+        _TmaLaunch.__call__(self, stream, (q, k, v), self.crd.data.ptr, at, O, L)
+
+
+class _WsBackwardMain:
+    """flash2_bwd_ws called as the torch backward plan calls its main loop (the pointers
+    of Q, K, V, at, dO, L, D, dQacc, dK, dV; the rest set once per plan)."""
+
+    def __init__(self, ws: _TmaLaunch):
+        self.ws = ws
+
+    def __call__(self, stream: int, q, k, v, at, dout, lse, D, dQacc, dk, dv):
+        self.ws(stream, (q, k, v, dout), self.ws.crd.data.ptr, at, lse, D, dQacc, dk, dv)
+
+
+def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: bool,
+                 cols: dict, ld):
+    """The launcher of flash2_bwd_ws (the wg backward's main loop fed by TMA) for these
+    arrays (``cols``: Q, K, V, dO), or None where it does not apply (kernels.ws_runs;
+    layouts TMA cannot address; FLASHSIM_TMA=0): flash2_bwd_wg then runs, with the same
+    tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO | crd, at, L, D, dQacc,
+    dK, dV | Nq, Nk, lddk, lddv, left, right | scale, k_in, k_out | slopes, sem, io."""
+    D = shape.d
+    if not (K.ws_runs(shape.d, shape.dv, D, backward=True, variant=var)
+            and os.environ.get("FLASHSIM_TMA", "1") != "0"):
+        return None
+    four = {t: cols[t] for t in _tma.BACKWARD}
+    rows = {arrays.AT_Q: shape.Nq, arrays.AT_K: shape.Nk, arrays.AT_V: shape.Nk,
+            arrays.AT_dO: shape.Nq}
+    got = _tma.plan(arrays.table_key(shape, four), tuple(int(x) for x in ld),
+                    tuple((t, rows[t]) for t in _tma.BACKWARD), D, cp.cuda.Device().id)
+    if got is None:
+        return None
+    crd, geoms = got
+    Br, Bc = K.wg_blocks(D, True)
+    box = (Br, Bc, Bc, Br)
+    if _tma.maps(tuple(dev.pointer(four[t][0]) for t in _tma.BACKWARD), geoms, box, D) is None:
+        return None
+    name = "flash2_bwd_ws" + ("_det" if det else "")
+    launch = _TmaLaunch(dev.kernel(name, dtype, count_io, D, var), name,
+                        K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
+                        K.threads(name, D, 90), K.smem_bytes(name, Br, Bc, D, D, dtype), geoms,
+                        box, D, "QQQQQQQiiiiiifffQQQ")
+    launch.crd = crd
+    return launch
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
@@ -579,11 +657,12 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     Br, Bc = tiles
     three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
     got = _tma.plan(arrays.table_key(shape, three), tuple(int(x) for x in ld),
-                    (shape.Nq, shape.Nk, shape.Nk), d, cp.cuda.Device().id)
+                    ((arrays.AT_Q, shape.Nq), (arrays.AT_K, shape.Nk), (arrays.AT_V, shape.Nk)),
+                    d, cp.cuda.Device().id)
     if got is None:
         return None
     crd, geoms = got
-    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, Br, Bc, d) is None:
+    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, (Br, Bc, Bc), d) is None:
         return None
     name = "flash2_fwd_ws"
     smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
@@ -799,6 +878,14 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
                                                     A.AT_dV)),
                           d, d, plan.left, plan.right, plan.scale,
                           plan.scale * LOG2E if pad else 0.0, 0.0, 0, 0, 0, plan.io))
+        if name == "flash2_bwd_wg":   # fed by the copy engine where TMA addresses them
+            ws = _ws_backward(cp, plan.shape, dtype, False, False, False,
+                              {A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"),
+                               A.AT_V: (views[2], "k"), A.AT_dO: (views[4], "q")}, ld)
+            if ws is not None:
+                ws.set((Nq, Nk, ld[A.AT_dK], ld[A.AT_dV], plan.left, plan.right, plan.scale,
+                        0.0, 0.0, 0, 0, plan.io), 7)
+                main = _WsBackwardMain(ws)
         # (dQacc, dQ, at | Nq, lddq, d, Br, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q4iQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),

@@ -1,0 +1,224 @@
+// wg_bwd.cuh: one step of the Hopper backward's main loop, shared by flash2_wg.cu's
+// flash2_bwd_wg (its consumers load the tiles with cp.async) and flash2_ws.cu's
+// flash2_bwd_ws (a producer warpgroup loads them with TMA): the products, the
+// elementwise work and dQ's additions of one step of BrB queries against the CTA's K/V
+// tile of Bc keys, which two warpgroups of 64 keys each share. Per step:
+//   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
+//      BrB queries per warpgroup, two commit groups;
+//   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
+//      dV_j += Pᵀ dO_i (A = Pᵀ from registers: the accumulator layout is the A layout;
+//      B = dO_i MN-major), which runs while the warps wait for dPᵀ;
+//   3. dSᵀ = Pᵀ ∘ (dPᵀ − D), then dK_j += dSᵀ Q_i the same way, and dSᵀ into shared
+//      memory (the 128-byte swizzle) for
+//   4. dQ_i = dS K_j after a barrier of the two warpgroups (each needs every key's dS):
+//      A = dSᵀ MN-major (the instruction transposes it), B = K_j MN-major; each
+//      warpgroup one 64 × 64 block of dQ_i (D = 128: its half of the columns; D = 64: its
+//      half of the queries), added to the fp32 accumulator with two-float atomics (in
+//      turns where the caller's `turn` orders them).
+
+#pragma once
+#include "wgmma.cuh"
+
+namespace wgb {
+constexpr int Bc = 128, THREADS = 256;               // keys per CTA; the two warpgroups' threads
+template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
+
+// What a CTA's steps share: its K/V tile in shared memory and where its rows are
+struct Tile {
+    unsigned sK, sV;        // K_j, V_j: D/64 column blocks of Bc rows, the 128-byte swizzle
+    int j0, cols;           // first key of the tile, keys in it (< Bc: the last tile)
+    int nq, nk;             // the sequence's lengths
+    Band band;
+};
+
+// The thread's place: warpgroup (0, 1: of the two that share the tile; WG0 warpgroups
+// before them in the CTA), warp within it, lane. Read from %tid.x where used: held across
+// the loop they cost registers an instance at 255 does not have.
+template <int WG0> struct Thread {
+    int grp, warp, lane;
+    __device__ __forceinline__ Thread() {
+        unsigned tid;
+        asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+        grp = (int)(tid >> 7) - WG0, warp = (tid >> 5) & 3, lane = tid & 31;
+    }
+    __device__ __forceinline__ int key() const { return grp * 64 + warp * 16 + (lane >> 2); }
+};
+
+// One step: queries i·BrB … of the sequence, whose Q_i, dO_i are at qb, dob (D/64 blocks
+// of BrB rows), L_i·log2(e) (+∞ for rows past Nq and rows that see no key) at sLb and D_i
+// at sDb; dSᵀ goes through sdS (Bc keys × BrB queries), which no warpgroup may still be
+// reading from the step before (the caller's barriers or buffers see to it). dv_acc,
+// dk_acc: the warpgroup's dV_j, dK_j. slope(): the ALiBi slope (VAR), read per step.
+// read(): called once this warpgroup's products have read Q_i and dO_i (and L_i, D_i).
+// wait(i, rows) before the step's atomics into dQacc, pass(its Turn) after them: the
+// caller's order of the K/V tiles' additions (the deterministic mode), or none.
+struct Turn { int* counter; int mine; };
+template <typename T, int D, bool VAR, int WG0, int BAR, typename Slope, typename Read, typename Wait,
+          typename Pass>
+__device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob, unsigned sdS,
+                                     const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
+                                     float scale, float k_in, float k_out, float* __restrict__ dQacc,
+                                     int d, Slope slope, Read read, Wait wait, Pass pass) {
+    using namespace wg;
+    constexpr int Bc = wgb::Bc, BrB = brb<D>();
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
+    const Thread<WG0> th;
+    const int g = th.lane >> 2, tig = th.lane & 3;
+    const int kr = th.key();                         // this thread's keys kr, kr + 8 in the tile
+    const int i0 = i * BrB, rows = min(BrB, c.nq - i0);
+    const int j0 = c.j0;
+
+    // 1. Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ: 64 keys × BrB queries, k = D
+    float s[BrB / 2], dp[BrB / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned stp = (kk & 3) << 5;
+        Wgmma<T, BrB>::ss(s, desc(c.sK + (kk >> 2) * (Bc * 128) + th.grp * 64 * 128 + stp, 16, 1024),
+                          desc(qb + (kk >> 2) * (BrB * 128) + stp, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned stp = (kk & 3) << 5;
+        Wgmma<T, BrB>::ss(dp, desc(c.sV + (kk >> 2) * (Bc * 128) + th.grp * 64 * 128 + stp, 16, 1024),
+                          desc(dob + (kk >> 2) * (BrB * 128) + stp, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per score,
+    // kept until dPᵀ landed
+    wgmma_wait<VAR ? 0 : 1>();                       // Sᵀ is done; dPᵀ may run on
+    fence_regs<BrB / 2>(s);
+    if constexpr (VAR) fence_regs<BrB / 2>(dp);
+
+    // 2. Pᵀ, then dV_j += Pᵀ dO_i. Register 4t + e holds key kr + 8·(e ≥ 2), query
+    //    8t + 2·tig + (e & 1) of the step. Keys past Nk and pairs outside the band are
+    //    zeroed only in the steps that have them.
+    const Band& band = c.band;
+    const bool partial = c.cols < Bc
+        || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
+        || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+    VarScores vs{};
+    float dist0 = 0.f;
+    if constexpr (VAR) {
+        vs = VarScores{k_in, k_out, slope()};
+        dist0 = (float)(i0 + tig * 2 + (c.nk - c.nq) - j0 - kr);   // q + off − key, per step
+    }
+#pragma unroll
+    for (int t = 0; t < BrB / 8; ++t) {
+        const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float l = (e & 1) ? l2.y : l2.x;
+            float tanh_s = 0.f;
+            if constexpr (VAR)
+                s[4 * t + e] = ex2(fmaf(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &tanh_s), vs.scale(), -l));
+            else
+                s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -l));
+            if (partial) {
+                const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
+                if (key >= c.nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
+            }
+            if constexpr (VAR) {                     // dSᵀ through the softcap (th = 0 without)
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+                dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-tanh_s, tanh_s, 1.f);
+            }
+        }
+    }
+    unsigned pf[BrB / 16][4], dsf[BrB / 16][4];      // Pᵀ, dSᵀ in T: A operands, k-step of 16 queries
+#pragma unroll
+    for (int t = 0; t < BrB / 8; ++t) {
+        pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(s[4 * t], s[4 * t + 1]);
+        pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(s[4 * t + 2], s[4 * t + 3]);
+    }
+    fence_regs<D / 2>(dv_acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk)
+        Wgmma<T, D>::rs(dv_acc, pf[kk], desc(dob + kk * 16 * 128, BrB * 128, 1024));
+    wgmma_commit();
+    if constexpr (!VAR) {
+        wgmma_wait<1>();                             // dPᵀ is done; dV_j's product may run on
+        fence_regs<BrB / 2>(dp);
+    }
+
+    // 3. dSᵀ = Pᵀ ∘ (dPᵀ − D) (VAR: formed above), dK_j += dSᵀ Q_i, dSᵀ to shared
+    //    memory: key row kr, query q at block q/64, 16-byte chunk (q%64)/8 ^ (kr & 7)
+#pragma unroll
+    for (int t = 0; t < BrB / 8; ++t) {
+        if constexpr (!VAR) {
+            const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
+        }
+        dsf[t >> 1][(t & 1) * 2 + 0] = pack<T>(dp[4 * t], dp[4 * t + 1]);
+        dsf[t >> 1][(t & 1) * 2 + 1] = pack<T>(dp[4 * t + 2], dp[4 * t + 3]);
+        const unsigned at0 = sdS + (t >> 3) * (Bc * 128) + kr * 128 + (((t & 7) ^ g) << 4) + tig * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0), "r"(dsf[t >> 1][(t & 1) * 2 + 0]) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0 + 8 * 128), "r"(dsf[t >> 1][(t & 1) * 2 + 1]) : "memory");
+    }
+    fence_regs<D / 2>(dk_acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk)
+        Wgmma<T, D>::rs(dk_acc, dsf[kk], desc(qb + kk * 16 * 128, BrB * 128, 1024));
+    wgmma_commit();
+    fence_proxy_async();                             // dSᵀ, written by the warps, read by wgmma
+    asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(wgb::THREADS) : "memory");   // every key's dSᵀ
+
+    // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × 64 columns, k = Bc
+    constexpr int QB = BrB / 64;                     // query blocks: the warpgroups split
+    const int qblk = th.grp % QB, nblk = th.grp / QB;  // queries (D = 64) or columns (D = 128)
+    float dq[32];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk)
+        Wgmma<T, 64>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
+                                        desc(c.sK + nblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();                                 // and dV_j's, dK_j's products
+    fence_regs<32>(dq);
+    fence_regs<D / 2>(dv_acc);
+    fence_regs<D / 2>(dk_acc);
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk) {          // the products have read Pᵀ, dSᵀ: only now
+        asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+        asm volatile("" : "+r"(dsf[kk][0]), "+r"(dsf[kk][1]), "+r"(dsf[kk][2]), "+r"(dsf[kk][3]));
+    }
+    read();
+    const long long q_row = q_row0 + i0;
+    const Turn turn = wait(i, rows);
+    const int r0 = qblk * 64 + th.warp * 16 + g, r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        const int col = nblk * 64 + t * 8 + tig * 2;
+        if (col >= d) break;                         // the instance's columns past d
+        if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
+        if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+    }
+    pass(turn);
+}
+
+// dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO from the warpgroup's accumulators into rows kr,
+// kr + 8 of the tile's keys (columns past d, dv: not stored)
+template <typename T, int D, int WG0>
+__device__ __forceinline__ void store_dkv(const Tile& c, const float* dk_acc, const float* dv_acc,
+                                          T* dKj, T* dVj, int lddk, int lddv, int d, int dv, float scale) {
+    const Thread<WG0> th;
+    const int kr = th.key(), r1 = kr + 8, tig = th.lane & 3;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const int col = t * 8 + tig * 2;
+        if (kr < c.cols) {
+            if (col < d) *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + col) = pack<T>(scale * dk_acc[4 * t], scale * dk_acc[4 * t + 1]);
+            if (col < dv) *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + col) = pack<T>(dv_acc[4 * t], dv_acc[4 * t + 1]);
+        }
+        if (r1 < c.cols) {
+            if (col < d) *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + col) = pack<T>(scale * dk_acc[4 * t + 2], scale * dk_acc[4 * t + 3]);
+            if (col < dv) *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + col) = pack<T>(dv_acc[4 * t + 2], dv_acc[4 * t + 3]);
+        }
+    }
+}
+
+}  // namespace wgb
