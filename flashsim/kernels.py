@@ -552,8 +552,11 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         # to start the tiles on 1024 bytes
         return (2 * Bc * d + 4 * Br * d + Bc * Br) * 2 + 4 * Br * 4 + 1024
     if kernel in ("flash2_bwd_ws", "flash2_bwd_ws_det"):
-        # the same with WS_STAGES slots of Q_i, dO_i, L_i, D_i and dSᵀ double-buffered
-        return (2 * Bc * d + 2 * WS_STAGES * Br * d + 2 * Bc * Br) * 2 + 2 * WS_STAGES * Br * 4 + 1024
+        # the same with WS_STAGES slots of Q_i, dO_i, L_i, D_i and dSᵀ double-buffered; and
+        # (not deterministic) dQ_i in fp32, rows padded by 4 floats
+        sdq = Br * (d + 4) * 4 if kernel == "flash2_bwd_ws" else 0
+        return ((2 * Bc * d + 2 * WS_STAGES * Br * d + 2 * Bc * Br) * 2 + sdq
+                + 2 * WS_STAGES * Br * 4 + 1024)
     if kernel == "flash1_fwd":      # K_j, V_j; Q_i, O_i; S; m, ℓ and O's two weights
         return (Bc * d + Bc * dv + Br * d + Br * dv + Br * Bc + 4 * Br) * a
     if kernel == "flash1_bwd":      # K_j, V_j, dK_j, dV_j; Q_i, dO_i, dQ_i; P, dS; m, ℓ, D

@@ -325,13 +325,19 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     const unsigned sQ = sV + TILE_KV;                // STAGES slots of BrB·D
     const unsigned sdO = sQ + STAGES * TILE_Q;       // STAGES slots of BrB·D
     const unsigned sdS = sdO + STAGES * TILE_Q;      // 2 × dSᵀ: Bc keys × BrB queries
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + 2 * TILE_dS - smem_addr(smem_raw)));   // STAGES × BrB
-    float* sD = sL + STAGES * BrB;                                                              // STAGES × BrB
-    // mbarriers: K_j, V_j full; per slot full, empty
-    __shared__ __align__(8) unsigned long long bars[1 + 2 * STAGES];
+    // dQ_i (not DET): BrB rows of D fp32, padded to SDQ_LD so that the consumers' 8-byte
+    // stores of one warp fill each bank twice (the fewest for 256 bytes)
+    constexpr int SDQ_LD = D + 4;
+    constexpr unsigned TILE_dQ = DET ? 0 : BrB * SDQ_LD * 4;
+    float* sdQ = reinterpret_cast<float*>(smem_raw + (sdS + 2 * TILE_dS - smem_addr(smem_raw)));
+    float* sL = sdQ + TILE_dQ / 4;                   // STAGES × BrB
+    float* sD = sL + STAGES * BrB;                   // STAGES × BrB
+    // mbarriers: K_j, V_j full; per slot full, empty; dQ_i full, empty
+    __shared__ __align__(8) unsigned long long bars[3 + 2 * STAGES];
     const unsigned bKV = smem_addr(bars);
     auto full = [&](int s) { return bKV + 8 * (1 + s); };
     auto empty = [&](int s) { return bKV + 8 * (1 + STAGES + s); };
+    const unsigned dQfull = bKV + 8 * (1 + 2 * STAGES), dQempty = dQfull + 8;
 
     const int warp = threadIdx.x >> 5, grp = warp >> 2, lane = threadIdx.x & 31;
     // deterministic mode takes the tiles from the last (flash2_bwd_wg_det's order)
@@ -351,6 +357,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
             mbar_init(full(s), 1 + 32);              // the TMA thread's arrival (and the
             mbar_init(empty(s), 8);                  // bytes), L/D's warp; the consumer warps
         }
+        mbar_init(dQfull, wgb::THREADS);             // every consumer thread's stores
+        mbar_init(dQempty, 1);                       // the reducing warp's
         mbar_init_fence();
     }
     __syncthreads();
@@ -393,6 +401,23 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
                 }
                 mbar_arrive(full(s));                // release: the stores above come first
             }
+        } else if (warp == 2 && !DET) {
+            // dQacc_i += dQ_i: a bulk reduce-add (the copy engine's, in L2) per row of the
+            // step's shared dQ_i, rows past Nq left out, once both warpgroups stored theirs
+            for (int i = ilo; i <= ihi; ++i) {
+                const int n = i - ilo, i0 = i * BrB, rows = min(BrB, nq - i0);
+                const long long q_row = (long long)p * Nq + i0;
+                mbar_wait(dQfull, n & 1);
+                for (int r = lane; r < rows; r += 32)
+                    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                                 :: "l"(dQacc + (q_row + r) * D), "r"(smem_addr(sdQ + r * SDQ_LD)), "n"(D * 4)
+                                 : "memory");
+                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // sdQ is read
+                __syncwarp();
+                if (lane == 0) mbar_arrive(dQempty);
+            }
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");   // and added
         }
         return;
     }
@@ -407,6 +432,10 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     // deterministic: the consumers (threads 128 … 383) wait for and pass the turn
     auto wait = [&](int i, int rows) {
         wgb::Turn t{nullptr, 0};
+        if constexpr (!DET) {                        // the last step's dQ_i has left sdQ
+            mbar_wait(dQempty, ((i - ilo) & 1) ^ 1);
+            return t;
+        }
         t.counter = dq_turn<DET, false>(sem, nullptr, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &t.mine);
         if constexpr (DET) {
             if (threadIdx.x == 128) {
@@ -420,6 +449,10 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
         return t;
     };
     auto pass = [&](wgb::Turn t) {
+        if constexpr (!DET) {                        // this thread's part of dQ_i is in sdQ
+            fence_proxy_async();
+            mbar_arrive(dQfull);
+        }
         if constexpr (DET) {
             named_sync(2, wgb::THREADS);             // every consumer thread has added
             if (threadIdx.x == 128)
@@ -430,10 +463,10 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     for (int i = ilo; i <= ihi; ++i) {
         const int n = i - ilo, s = n % STAGES;
         mbar_wait(full(s), (n / STAGES) & 1);
-        wgb::step<T, D, VAR, 1, 1>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
+        wgb::step<T, D, VAR, 1, 1, DET ? 0 : SDQ_LD>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
                                    sdS + (n & 1) * TILE_dS, sL + s * BrB, sD + s * BrB, dv_acc, dk_acc,
                                    scale, k_in, k_out, dQacc, D, slope,
-                                   [&] { if (lane == 0) mbar_arrive(empty(s)); }, wait, pass);
+                                   [&] { if (lane == 0) mbar_arrive(empty(s)); }, wait, pass, sdQ);
     }
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     wgb::store_dkv<T, D, 1>(tile, dk_acc, dv_acc,

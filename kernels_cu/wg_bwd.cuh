@@ -52,13 +52,16 @@ template <int WG0> struct Thread {
 // read(): called once this warpgroup's products have read Q_i and dO_i (and L_i, D_i).
 // wait(i, rows) before the step's atomics into dQacc, pass(its Turn) after them: the
 // caller's order of the K/V tiles' additions (the deterministic mode), or none.
+// SDQ_LD > 0: dQ_i goes instead into shared memory at sdQ (fp32, rows SDQ_LD floats
+// apart), for the caller to add to dQacc; wait and pass then bracket those stores.
 struct Turn { int* counter; int mine; };
-template <typename T, int D, bool VAR, int WG0, int BAR, typename Slope, typename Read, typename Wait,
-          typename Pass>
+template <typename T, int D, bool VAR, int WG0, int BAR, int SDQ_LD = 0, typename Slope, typename Read,
+          typename Wait, typename Pass>
 __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob, unsigned sdS,
                                      const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
                                      float scale, float k_in, float k_out, float* __restrict__ dQacc,
-                                     int d, Slope slope, Read read, Wait wait, Pass pass) {
+                                     int d, Slope slope, Read read, Wait wait, Pass pass,
+                                     float* sdQ = nullptr) {
     using namespace wg;
     constexpr int Bc = wgb::Bc, BrB = brb<D>();
     constexpr float LOG2E = 1.4426950408889634f;
@@ -193,9 +196,14 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
         const int col = nblk * 64 + t * 8 + tig * 2;
-        if (col >= d) break;                         // the instance's columns past d
-        if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
-        if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+        if constexpr (SDQ_LD > 0) {                  // every row: the caller adds `rows` of them
+            *reinterpret_cast<float2*>(sdQ + r0 * SDQ_LD + col) = make_float2(scale * dq[4 * t], scale * dq[4 * t + 1]);
+            *reinterpret_cast<float2*>(sdQ + r1 * SDQ_LD + col) = make_float2(scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+        } else {
+            if (col >= d) break;                     // the instance's columns past d
+            if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
+            if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+        }
     }
     pass(turn);
 }
