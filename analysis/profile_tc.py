@@ -1,6 +1,7 @@
 """One launch of each tensor-core kernel at one of the benchmark's shapes (default d = 128,
 N = 4096, float16, no mask), for Nsight Compute; on a compute capability 9.0 device the
-Hopper kernels (flash2_fwd_wg, flash2_bwd_wg) run too:
+Hopper kernels run too (as kernel="wg" picks them: flash2_fwd_ws and flash2_bwd_ws at
+d = 128, fed by the copy engine):
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
         --section Occupancy --section MemoryWorkloadAnalysis -k regex:"flash2_(fwd|bwd)_(tc|wg)" -c 3 \

@@ -128,8 +128,11 @@ EFFICIENCY = {
     # consumers, analysis/out/bench/ws64_c3.json, 380 TF/s; at 96 ws_64_96.json, 408)
     # against that ws at 128
     ("flash2_fwd_ws", 64): 0.605, ("flash2_fwd_ws", 96): 0.650,
-    # the backward fed by the copy engine: to be measured
-    ("flash2_bwd_ws", 128): 0.363, ("flash2_bwd_ws_det", 128): 0.302,
+    # the backward fed by the copy engine at d = 128 from wg's 0.363 by ws / wg = 379 / 333
+    # (one process, H100, float16, N = 16384, no mask: kernels_cu/NOTES.md v23); its
+    # deterministic mode keeps wg_det's atomics in turns and is taken at wg_det's η (not
+    # measured apart)
+    ("flash2_bwd_ws", 128): 0.414, ("flash2_bwd_ws_det", 128): 0.302,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 

@@ -1,4 +1,4 @@
-// flash2_ws.cu: the Hopper forward fed by the copy engine, with specialised warps.
+// flash2_ws.cu: the Hopper kernels fed by the copy engine, with specialised warps.
 //
 //   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d = dv
 //                        = D): the schedule, visited tiles and so the traffic of
@@ -31,6 +31,10 @@
 //                        outside the tensor, so a ragged last tile arrives zero-filled. A
 //                        packed varlen batch has no such bound per sequence and runs on
 //                        flash2_fwd_wg.
+//   flash2_bwd_ws<T, D, VAR>, flash2_bwd_ws_det<T, D, VAR>  the backward main loop,
+//                        D = 128 (d = dv = D): flash2_bwd_wg's tiles and steps with a
+//                        producer warpgroup that loads by TMA and adds dQ by bulk
+//                        reduce-adds (below; NOTES v23).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO (the accounting rules'
 // rows, whatever the copy engine zero-fills).
@@ -290,9 +294,14 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 //   - a producer warpgroup: one thread issues TMA copies of K_j, V_j (once) and of Q_i,
 //     dO_i per step into a ring of STAGES slots, completing a slot's "full" mbarrier by
 //     their bytes; one warp brings L_i·log2(e) and D_i of the step beside them and
-//     arrives on it too. The consumers free a slot ("empty") once their products have
-//     read it. Rows past Nq arrive zero-filled (the tensor map's bound), with L = +∞, so
-//     P and dS are 0 there as in flash2_bwd_wg;
+//     arrives on it too. The consumers free a slot ("empty"), every thread once its
+//     products and its own loads of L_i, D_i have read it. Rows past Nq arrive
+//     zero-filled (the tensor map's bound), with L = +∞, so P and dS are 0 there as in
+//     flash2_bwd_wg;
+//   - dQ_i (not _det): the consumers store it into shared memory, and a third producer
+//     warp adds it to dQacc with bulk reduce-adds (cp.reduce.async.bulk, one per row,
+//     summed in L2), where flash2_bwd_wg's warps issue 16 two-float atomics per thread
+//     per step; _det keeps those atomics, in turns;
 //   - setmaxnreg: the producer keeps PRODUCER_REGS registers, the two consumer
 //     warpgroups take the rest (the step's instances need ~240);
 //   - no CTA barrier in the loop: the consumers meet only at the step's dSᵀ barrier
@@ -355,8 +364,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
         mbar_init(bKV, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), 1 + 32);              // the TMA thread's arrival (and the
-            mbar_init(empty(s), 8);                  // bytes), L/D's warp; the consumer warps
-        }
+            mbar_init(empty(s), wgb::THREADS);       // bytes), L/D's warp; every consumer
+        }                                            // thread (each read L_i, D_i itself)
         mbar_init(dQfull, wgb::THREADS);             // every consumer thread's stores
         mbar_init(dQempty, 1);                       // the reducing warp's
         mbar_init_fence();
@@ -466,7 +475,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
         wgb::step<T, D, VAR, 1, 1, DET ? 0 : SDQ_LD>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
                                    sdS + (n & 1) * TILE_dS, sL + s * BrB, sD + s * BrB, dv_acc, dk_acc,
                                    scale, k_in, k_out, dQacc, D, slope,
-                                   [&] { if (lane == 0) mbar_arrive(empty(s)); }, wait, pass, sdQ);
+                                   [&] { mbar_arrive(empty(s)); }, wait, pass, sdQ);
     }
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     wgb::store_dkv<T, D, 1>(tile, dk_acc, dv_acc,
