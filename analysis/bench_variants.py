@@ -34,11 +34,11 @@ OUT = Path(__file__).resolve().parent / "out" / "bench"
 
 def record(call):
     """The launches ``call()`` makes, to replay: (kernel, grid, block, args, smem) for
-    those through the loader, and the copy-engine forward's launcher with its arguments
-    (flash2_fwd_ws launches through its own parameter array, and re-encodes its tensor
-    maps per call from a cache)."""
+    those through the loader, and the copy-engine kernels' launchers with their arguments
+    (flash2_fwd_ws and flash2_bwd_ws launch through their own parameter arrays, and
+    re-encode their tensor maps per call from a cache)."""
     dev = fs.gpu._device
-    ws = fs.gpu.flash2._WsForward
+    ws = fs.gpu.flash2._TmaLaunch
     launches = []
     real, real_ws = dev.launch, ws.__call__
 
@@ -124,9 +124,11 @@ def main(argv=None):
                     os.environ.pop("FLASHSIM_TMA", None)
                 out, lse = fs.gpu.attention(q, k, v, kernel="tc", **kw)
                 for kern in (["wg"] if wg and d in fs.kernels.WG_BWD_HEAD_DIMS else []) + ["tc"]:
-                    fns[(case, f"bwd {kern}")] = (record(lambda: fs.gpu.attention_backward(
-                        q, k, v, out, lse, do, kernel=kern, **kw)), None)
-                    flop[(case, f"bwd {kern}")] = 2.5 * 4 * B * H * npairs * d
+                    replay = record(lambda: fs.gpu.attention_backward(
+                        q, k, v, out, lse, do, kernel=kern, **kw))
+                    what = "bwd ws" if replay.ws else f"bwd {kern}"   # ws: d = 128 on "wg"
+                    fns[(case, what)] = (replay, None)
+                    flop[(case, what)] = 2.5 * 4 * B * H * npairs * d
             times = interleaved(cp, fns, a.reps)
             for (case, what), t in times.items():
                 ms = float(np.median(t))

@@ -242,15 +242,21 @@ def smem_limit_on(device: int) -> int:
     return int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
 
 
-def launch(cp, kernel, grid, smem: int, args, threads: int = THREADS):
-    if 0 in grid:
-        return
+def check_grid(grid):
+    """A ValueError, before any launch, for a grid whose y (or z) axis is past CUDA's
+    limit."""
     if grid[1] > GRID_Y_MAX:
         raise ValueError(f"{grid[1]} (batch × heads) problems exceed the grid's y limit "
                          f"{GRID_Y_MAX}; split the batch")
     if len(grid) > 2 and grid[2] > GRID_Y_MAX:
         raise ValueError(f"{grid[2]} (batch × kv_heads) problems exceed the grid's z limit "
                          f"{GRID_Y_MAX}; split the batch")
+
+
+def launch(cp, kernel, grid, smem: int, args, threads: int = THREADS):
+    if 0 in grid:
+        return
+    check_grid(grid)
     # past 48 KB a CTA's shared memory (dynamic and the kernel's static, such as the
     # varlen instances' few bytes) needs the kernel's opt-in
     if smem + getattr(kernel, "shared_size_bytes", 0) > 48 * 1024:

@@ -547,8 +547,9 @@ class _TmaLaunch:
     _CTYPES = {"Q": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
 
     def __init__(self, kernel, name: str, grid, threads: int, smem: int, geoms, rows, D: int,
-                 types: str):
+                 types: str, crd=None):
         self.fptr = kernel.kernel.ptr
+        self.crd = crd           # the maps' coordinates per problem (_tma.plan), on the device
         if smem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = smem
         self.name, self.grid, self.threads, self.smem = name, grid, threads, smem
@@ -570,6 +571,7 @@ class _TmaLaunch:
         leading other parameters set to ``values`` (the rest as last set)."""
         if 0 in self.grid:
             return
+        dev.check_grid(self.grid)
         maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
         if maps is None:
             raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
@@ -589,8 +591,7 @@ class _WsForward(_TmaLaunch):
     # | slopes, io
     def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int, D: int):
         super().__init__(kernel, "flash2_fwd_ws", grid, K.ws_threads(D), smem, geoms,
-                         (Br, Bc, Bc), D, "QQQQiiiiifffQQ")
-        self.crd = crd
+                         (Br, Bc, Bc), D, "QQQQiiiiifffQQ", crd)
         self.args[0].value = crd.data.ptr
 
     def set_tail(self, Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io):
@@ -638,12 +639,11 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
     if _tma.maps(tuple(dev.pointer(four[t][0]) for t in _tma.BACKWARD), geoms, box, D) is None:
         return None
     name = "flash2_bwd_ws" + ("_det" if det else "")
-    launch = _TmaLaunch(dev.kernel(name, dtype, count_io, D, var), name,
-                        K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
-                        K.threads(name, D, 90), K.smem_bytes(name, Br, Bc, D, D, dtype), geoms,
-                        box, D, "QQQQQQQiiiiiifffQQQ")
-    launch.crd = crd
-    return launch
+    return _TmaLaunch(dev.kernel(name, dtype, count_io, D, var), name,
+                      K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
+                      K.threads(name, D, dev.cc(cp.cuda.Device().id)),
+                      K.smem_bytes(name, Br, Bc, D, D, dtype), geoms, box, D,
+                      "QQQQQQQiiiiiifffQQQ", crd)
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
