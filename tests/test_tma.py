@@ -1,6 +1,7 @@
-"""The Hopper forward's tensor maps (flashsim/gpu/_tma.py): every layout the row table
+"""The Hopper kernels' tensor maps (flashsim/gpu/_tma.py): every layout the row table
 describes is either decomposed exactly (at[p] = z_p·zs + c_p, the columns inside a row)
-or refused, so flash2_fwd_ws never reads a row the table does not name."""
+or refused, so flash2_fwd_ws and flash2_bwd_ws never read a row the table does not
+name."""
 
 import numpy as np
 import pytest
@@ -25,9 +26,10 @@ def table(q, k, shape):
     return tab, ld
 
 
-def check_exact(tab, ld, got, d):
+def check_exact(tab, ld, got, d, cols=_tma.FORWARD):
     crd, geoms = got
-    for n, t in enumerate((A.AT_Q, A.AT_K, A.AT_V)):
+    assert crd.shape == (tab.shape[0], 2 * len(cols)) and len(geoms) == len(cols)
+    for n, t in enumerate(cols):
         l, N, Z, zs = geoms[n]
         c, z = crd[:, 2 * n].astype(np.int64), crd[:, 2 * n + 1].astype(np.int64)
         assert l == ld[t] and (z * zs + c == tab[:, t]).all()
@@ -72,3 +74,25 @@ def test_layouts_tma_cannot_address_are_refused():
     q = Strided((1, 2, N, d), (N * 144, 72, 144, 1))
     tab, ld = table(q, k, shape)
     assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d) is None
+
+
+def test_the_backward_maps_dO_beside_Q_K_V():
+    """flash2_bwd_ws reads dO through a fourth map: its own strides (a (B, N, H, d)
+    gradient beside (B, H, N, d) inputs), rows past Nq outside it, and its coordinates
+    after Q's, K's and V's in each problem's row of crd."""
+    B, H, Hk, Nq, Nk, d = 2, 4, 2, 100, 70, 128
+    q = Strided((B, H, Nq, d), (H * Nq * d, Nq * d, d, 1))
+    k = Strided((B, Hk, Nk, d), (Hk * Nk * d, Nk * d, d, 1))
+    do = Strided((B, H, Nq, d), (Nq * H * d, d, H * d, 1))
+    shape = Shape(Nq, Nk, d, d, (B, H), (B, H), (B, Hk), H // Hk)
+    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (k, "k"), A.AT_dO: (do, "q")}
+    tab = A.host_table(*A.table_key(shape, cols))
+    ld = [0] * A.AT_NUM
+    for t, (a, _) in cols.items():
+        ld[t] = a.strides[-2] // a.itemsize
+    N = {A.AT_Q: Nq, A.AT_K: Nk, A.AT_V: Nk, A.AT_dO: Nq}
+    got = _tma.layout(tab, ld, N, d, _tma.BACKWARD)
+    assert got is not None
+    check_exact(tab, ld, got, d, _tma.BACKWARD)
+    assert [g[1] for g in got[1]] == [Nq, Nk, Nk, Nq]
+    assert ld[A.AT_dO] == H * d != ld[A.AT_Q]
