@@ -156,8 +156,9 @@ WS_HEAD_DIMS = (64, 96, 128)
 WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
-# and dO_i in a ring of WS_STAGES slots, at d = dv = D ∈ WS_BWD_HEAD_DIMS (at 64 the
-# step's 250 registers do not fit the 240 a consumer gets beside a producer: it spills)
+# and dO_i in a ring of WS_STAGES slots, dQ added by bulk reduce-adds, at d = dv = D ∈
+# WS_BWD_HEAD_DIMS (at 64 the step's ~253 registers do not fit the 240 a consumer gets
+# beside a producer: it spills 212 bytes)
 WS_BWD_HEAD_DIMS = (128,)
 WS_BWD_THREADS = 384
 

@@ -303,7 +303,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 //     summed in L2), where flash2_bwd_wg's warps issue 16 two-float atomics per thread
 //     per step; _det keeps those atomics, in turns;
 //   - setmaxnreg: the producer keeps PRODUCER_REGS registers, the two consumer
-//     warpgroups take the rest (the step's instances need ~240);
+//     warpgroups take the rest, 240 (the step at D = 128 fits them; at 64 it spills);
 //   - no CTA barrier in the loop: the consumers meet only at the step's dSᵀ barrier
 //     (named, 256 threads), and dSᵀ is double-buffered, so that a warpgroup may write the
 //     next step's while the other still reads this one's (a warpgroup passes step i + 1's
