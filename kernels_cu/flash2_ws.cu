@@ -323,6 +323,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
        int* __restrict__ sem, unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
+    // (flashsim builds D = 128 only: at 64 the step spills in a consumer's 240 registers)
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     constexpr int Bc = wgb::Bc, BrB = wgb::brb<D>(), STAGES = wsb::STAGES;
     constexpr unsigned TILE_KV = Bc * D * 2, TILE_Q = BrB * D * 2, TILE_dS = Bc * BrB * 2;
@@ -498,7 +499,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
 #define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, lddk, \
     lddv, left, right, scale, k_in, k_out, slopes, sem, io
 
-// dQ by unordered fp32 atomics (sem is not read; pass a null pointer)
+// dQ by bulk reduce-adds from shared memory, in no fixed order (sem is not read; pass a
+// null pointer)
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws(FLASHSIM_BWD_WS_PARAMS) {
     bwd_ws<T, D, false, VAR>(FLASHSIM_BWD_WS_ARGS);

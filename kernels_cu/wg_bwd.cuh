@@ -14,7 +14,8 @@
 //      A = dSᵀ MN-major (the instruction transposes it), B = K_j MN-major; each
 //      warpgroup one 64 × 64 block of dQ_i (D = 128: its half of the columns; D = 64: its
 //      half of the queries), added to the fp32 accumulator with two-float atomics (in
-//      turns where the caller's `turn` orders them).
+//      turns where the caller's wait/pass order them), or stored to shared memory for
+//      the caller to add (flash2_bwd_ws: bulk reduce-adds).
 
 #pragma once
 #include "wgmma.cuh"
