@@ -108,6 +108,10 @@ EFFICIENCY = {
     # its deterministic mode 0.82 of that (do_bench there: 0.85 at d = 64, 0.82 at 128)
     ("flash2_bwd_wg", 64): 0.341, ("flash2_bwd_wg", 128): 0.363,
     ("flash2_bwd_wg_det", 64): 0.280, ("flash2_bwd_wg_det", 128): 0.302,
+    # its D = 256 instance (wg_bwd.cuh's step_wide), the same way: 219.7 TF/s at d = 256,
+    # N = 4096 (analysis/out/bench/wg_bwd256.json) over the wg backward's 297 at d = 128
+    # (head_dims.json: another process on the same device); det by wg's det / plain at 128
+    ("flash2_bwd_wg", 256): 0.269, ("flash2_bwd_wg_det", 256): 0.224,
     # the same scaling by measured TFLOP/s (H100, float16, no mask): the ws forward from
     # wg's 0.485 by ws / wg = 569 / 399 at N = 16384 (analysis/out/bench/ws_fwd.md); the
     # D = 256 instances from ws at d = 128 and the wg backward at d = 128 in one run at

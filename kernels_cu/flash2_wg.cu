@@ -285,11 +285,13 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // flash2_bwd_wg<T, D, VAR, VL>, flash2_bwd_wg_det<T, D, VAR, VL>: the backward main loop
 // on warpgroup MMAs (the pre-pass is flash2_tc.cu's flash2_bwd_preprocess_tc, the
 // post-pass the reference's). The schedule, tiles and traffic of flash2_bwd_tc: K/V-outer,
-// one CTA per K/V tile j of Bc = 128 keys, the visited Q tiles streaming through shared
-// memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128 at D = 64, 64 at
-// D = 128). Two warpgroups, 64 keys each: dK_j and dV_j of its keys stay in a warpgroup's
-// registers (wgmma accumulators) for the whole loop; a step's products and elementwise
-// work are wg_bwd.cuh's (shared with flash2_ws.cu's flash2_bwd_ws, which loads by TMA).
+// one CTA per K/V tile j of Bc = 128 keys (64 at D = 256), the visited Q tiles streaming
+// through shared memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128
+// at D = 64, 64 at D = 128 and 256). Two warpgroups, 64 keys each: dK_j and dV_j of its
+// keys stay in a warpgroup's registers (wgmma accumulators) for the whole loop; at D = 256
+// both warpgroups take all 64 keys and split the columns (wg_bwd.cuh's step_wide). A
+// step's products and elementwise work are wg_bwd.cuh's (step shared with flash2_ws.cu's
+// flash2_bwd_ws, which loads by TMA).
 // mma.sync needs ldmatrix for every fragment of the five products and 8 warps to keep
 // the tensor cores fed; here the tensor cores read shared memory themselves and the
 // warps only run the elementwise work and the atomics.
@@ -298,9 +300,11 @@ __device__ __forceinline__ void
 bwd_wg(FLASHSIM_BWD_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(wg::THREADS == wgb::THREADS, "load_tile's passes assume two warpgroups");
-    constexpr int Bc = wgb::Bc, BrB = wgb::brb<D>();
+    constexpr int Bc = wgb::bc<D>(), BrB = wgb::brb<D>();
+    constexpr bool WIDE = D > 128;                   // wg_bwd.cuh's step_wide: columns split
+    constexpr int ACC = WIDE ? D / 4 : D / 2;        // a thread's share of dK_j, of dV_j
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -309,7 +313,8 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     const unsigned sQ = sV + Bc * D * 2;             // 2 × BrB·D
     const unsigned sdO = sQ + 2 * BrB * D * 2;       // 2 × BrB·D
     const unsigned sdS = sdO + 2 * BrB * D * 2;      // dSᵀ: Bc keys × BrB queries (BrB/64 blocks)
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdS + Bc * BrB * 2 - smem_addr(smem_raw)));   // 2 × BrB, L·log2(e)
+    const unsigned sP = sdS + Bc * BrB * 2;          // WIDE: Pᵀ, laid out as dSᵀ
+    float* sL = reinterpret_cast<float*>(smem_raw + (sP + (WIDE ? Bc * BrB * 2 : 0) - smem_addr(smem_raw)));   // 2 × BrB, L·log2(e)
     float* sD = sL + 2 * BrB;                                                                     // 2 × BrB
 
     const int tid = threadIdx.x;
@@ -323,9 +328,9 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
     const wgb::Tile tile{sK, sV, j0, cols, nq, nk, band};
 
-    float dv_acc[D / 2], dk_acc[D / 2];                      // dV_j, dK_j of the warpgroup's 64 keys
+    float dv_acc[ACC], dk_acc[ACC];                  // dV_j, dK_j of the warpgroup's 64 keys (WIDE: its columns)
 #pragma unroll
-    for (int x = 0; x < D / 2; ++x) dv_acc[x] = dk_acc[x] = 0.f;
+    for (int x = 0; x < ACC; ++x) dv_acc[x] = dk_acc[x] = 0.f;
 
     // the sequence's first rows in Q_p and dO_p, read back from shared memory in the loop
     // (flash2_bwd_tc: held in registers across it they spill)
@@ -376,18 +381,23 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
         fence_proxy_async();
         __syncthreads();
         if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
-        wgb::step<T, D, VAR, 0, 1>(tile, (long long)p * Nq + sq.q0, i, sQ + buf * BrB * D * 2, sdO + buf * BrB * D * 2, sdS,
-                                sL + buf * BrB, sD + buf * BrB, dv_acc, dk_acc, scale, k_in, k_out,
-                                dQacc, d, slope, [] {}, wait, pass);
+        if constexpr (WIDE)
+            wgb::step_wide<T, D, VAR, 0, 1>(tile, (long long)p * Nq + sq.q0, i, sQ + buf * BrB * D * 2, sdO + buf * BrB * D * 2,
+                                            sdS, sP, sL + buf * BrB, sD + buf * BrB, dv_acc, dk_acc, scale, k_in, k_out,
+                                            dQacc, d, slope, [] {}, wait, pass);
+        else
+            wgb::step<T, D, VAR, 0, 1>(tile, (long long)p * Nq + sq.q0, i, sQ + buf * BrB * D * 2, sdO + buf * BrB * D * 2, sdS,
+                                    sL + buf * BrB, sD + buf * BrB, dv_acc, dk_acc, scale, k_in, k_out,
+                                    dQacc, d, slope, [] {}, wait, pass);
     }
     // the traffic, counted once after the loop, as flash2_bwd_tc's
     if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
 
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
-    wgb::store_dkv<T, D, 0>(tile, dk_acc, dv_acc,
-                         dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk,
-                         dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv,
-                         lddk, lddv, d, dv, scale);
+    T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
+    T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv;
+    if constexpr (WIDE) wgb::store_dkv_wide<T, D, 0>(tile, dk_acc, dv_acc, dKj, dVj, lddk, lddv, d, dv, scale);
+    else wgb::store_dkv<T, D, 0>(tile, dk_acc, dv_acc, dKj, dVj, lddk, lddv, d, dv, scale);
     COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
     COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));      // SRAM→HBM: dV_j (Bc·dv)
 #else

@@ -21,8 +21,11 @@
 #include "wgmma.cuh"
 
 namespace wgb {
-constexpr int Bc = 128, THREADS = 256;               // keys per CTA; the two warpgroups' threads
+constexpr int Bc = 128, THREADS = 256;               // keys per CTA (D ≤ 128); the two warpgroups' threads
 template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
+// keys per CTA: at D = 256 a warpgroup's dK_j, dV_j of 64 keys would take 256 registers
+// per thread, so the CTA takes 64 keys and the warpgroups split their columns (step_wide)
+template <int D> __host__ __device__ constexpr int bc() { return D > 128 ? 64 : Bc; }
 
 // What a CTA's steps share: its K/V tile in shared memory and where its rows are
 struct Tile {
@@ -209,6 +212,155 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     pass(turn);
 }
 
+// One step at D = 256 (step_wide): the CTA's 64 keys meet BrB = 64 queries. dK_j and dV_j
+// (64 × 256 each) are split by columns: warpgroup h keeps columns 128·h … 128·h + 127 of
+// both (64 + 64 registers per thread) and computes that half of dQ_i. The elementwise work
+// is split by queries, so that each warpgroup forms its own scores and no fp32 value
+// crosses between them:
+//   1. warpgroup h: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for queries 32·h … 32·h + 31 (64 keys
+//      × 32 queries each, k = D, A and B K-major), two commit groups;
+//   2. Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) (masked) and dSᵀ = Pᵀ ∘ (dPᵀ − D) (∘ the
+//      softcap's 1 − tanh², VAR) of those queries, both into shared memory in T (sP,
+//      sdS: key rows, the 128-byte swizzle);
+//   3. one barrier (every query's Pᵀ and dSᵀ), then dV_j[:, h] += Pᵀ dO_i[:, h],
+//      dK_j[:, h] += dSᵀ Q_i[:, h] (A K-major, B MN-major) and dQ_i[:, h] = dS K_j[:, h]
+//      (A = dSᵀ MN-major, B = K_j MN-major), then dQ's additions as step's.
+// sP and sdS are free again by the next step: the products have read them before this
+// step's last wait, and the caller's barrier separates the steps.
+template <typename T, int D, bool VAR, int WG0, int BAR, typename Slope, typename Read,
+          typename Wait, typename Pass>
+__device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob,
+                                          unsigned sdS, unsigned sP, const float* sLb, const float* sDb,
+                                          float* dv_acc, float* dk_acc, float scale, float k_in, float k_out,
+                                          float* __restrict__ dQacc, int d, Slope slope, Read read, Wait wait,
+                                          Pass pass) {
+    using namespace wg;
+    static_assert(D == 256, "the wide step is the D = 256 instance's");
+    constexpr int Bc = bc<D>(), BrB = brb<D>(), H = D / 2, QH = BrB / 2;   // a warpgroup's columns, queries
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
+    const Thread<WG0> th;
+    const int g = th.lane >> 2, tig = th.lane & 3;
+    const int kr = th.warp * 16 + g;                 // this thread's keys kr, kr + 8 in the tile
+    const int qh = th.grp * QH;                      // the warpgroup's first query of the step
+    const int i0 = i * BrB, rows = min(BrB, c.nq - i0);
+    const int j0 = c.j0;
+
+    // 1. Sᵀ, dPᵀ of this warpgroup's queries: 64 keys × QH, k = D
+    float s[QH / 2], dp[QH / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned stp = (kk & 3) << 5;
+        Wgmma<T, QH>::ss(s, desc(c.sK + (kk >> 2) * (Bc * 128) + stp, 16, 1024),
+                         desc(qb + (kk >> 2) * (BrB * 128) + qh * 128 + stp, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned stp = (kk & 3) << 5;
+        Wgmma<T, QH>::ss(dp, desc(c.sV + (kk >> 2) * (Bc * 128) + stp, 16, 1024),
+                         desc(dob + (kk >> 2) * (BrB * 128) + qh * 128 + stp, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<VAR ? 0 : 1>();                       // Sᵀ is done; dPᵀ may run on (VAR: both)
+    fence_regs<QH / 2>(s);
+    if constexpr (VAR) fence_regs<QH / 2>(dp);
+
+    // 2. Pᵀ (into s and sP), then dSᵀ (into dp and sdS). Register 4t + e holds key kr +
+    //    8·(e ≥ 2), query qh + 8t + 2·tig + (e & 1) of the step, 16-byte chunk qh/8 + t of
+    //    the key's row (swizzled by kr & 7 = g).
+    const Band& band = c.band;
+    const bool partial = c.cols < Bc
+        || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
+        || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+    VarScores vs{};
+    float dist0 = 0.f;
+    if constexpr (VAR) {
+        vs = VarScores{k_in, k_out, slope()};
+        dist0 = (float)(i0 + qh + tig * 2 + (c.nk - c.nq) - j0 - kr);
+    }
+    float soft[QH / 2];                              // VAR: 1 − tanh² per score
+#pragma unroll
+    for (int t = 0; t < QH / 8; ++t) {
+        const float2 l2 = *reinterpret_cast<const float2*>(sLb + qh + t * 8 + tig * 2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float l = (e & 1) ? l2.y : l2.x;
+            if constexpr (VAR) {
+                float tanh_s = 0.f;                  // VarScores leaves it without a softcap
+                s[4 * t + e] = ex2(fmaf(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &tanh_s), vs.scale(), -l));
+                soft[4 * t + e] = fmaf(-tanh_s, tanh_s, 1.f);
+            } else {
+                s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -l));
+            }
+            if (partial) {
+                const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + qh + t * 8 + tig * 2 + (e & 1);
+                if (key >= c.nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
+            }
+        }
+        const unsigned at0 = sP + kr * 128 + ((((qh >> 3) + t) ^ g) << 4) + tig * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0), "r"(pack<T>(s[4 * t], s[4 * t + 1])) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0 + 8 * 128), "r"(pack<T>(s[4 * t + 2], s[4 * t + 3])) : "memory");
+    }
+    if constexpr (!VAR) {
+        wgmma_wait<0>();                             // dPᵀ is done
+        fence_regs<QH / 2>(dp);
+    }
+#pragma unroll
+    for (int t = 0; t < QH / 8; ++t) {
+        const float2 dd = *reinterpret_cast<const float2*>(sDb + qh + t * 8 + tig * 2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
+            if constexpr (VAR) dp[4 * t + e] *= soft[4 * t + e];
+        }
+        const unsigned at0 = sdS + kr * 128 + ((((qh >> 3) + t) ^ g) << 4) + tig * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0), "r"(pack<T>(dp[4 * t], dp[4 * t + 1])) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(at0 + 8 * 128), "r"(pack<T>(dp[4 * t + 2], dp[4 * t + 3])) : "memory");
+    }
+    fence_proxy_async();                             // Pᵀ, dSᵀ, written by the warps, read by wgmma
+    asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(THREADS) : "memory");   // every query's Pᵀ, dSᵀ
+
+    // 3. dV_j[:, h] += Pᵀ dO_i[:, h], dK_j[:, h] += dSᵀ Q_i[:, h] (k = BrB queries);
+    //    dQ_i[:, h] = scale · dS K_j[:, h] (k = Bc keys)
+    fence_regs<H / 2>(dv_acc);
+    fence_regs<H / 2>(dk_acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk)
+        Wgmma<T, H>::template ss<0, 1>(dv_acc, desc(sP + (kk << 5), 16, 1024),
+                                       desc(dob + th.grp * (H / 64) * (BrB * 128) + kk * 16 * 128, BrB * 128, 1024), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk)
+        Wgmma<T, H>::template ss<0, 1>(dk_acc, desc(sdS + (kk << 5), 16, 1024),
+                                       desc(qb + th.grp * (H / 64) * (BrB * 128) + kk * 16 * 128, BrB * 128, 1024), 1);
+    wgmma_commit();
+    float dq[H / 2];
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk)
+        Wgmma<T, H>::template ss<1, 1>(dq, desc(sdS + kk * 16 * 128, Bc * 128, 1024),
+                                       desc(c.sK + th.grp * (H / 64) * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs<H / 2>(dq);
+    fence_regs<H / 2>(dv_acc);
+    fence_regs<H / 2>(dk_acc);
+    read();
+    const long long q_row = q_row0 + i0;
+    const Turn turn = wait(i, rows);
+    const int r0 = th.warp * 16 + g, r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < H / 8; ++t) {
+        const int col = th.grp * H + t * 8 + tig * 2;
+        if (col >= d) break;                         // the instance's columns past d
+        if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
+        if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+    }
+    pass(turn);
+}
+
 // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO from the warpgroup's accumulators into rows kr,
 // kr + 8 of the tile's keys (columns past d, dv: not stored)
 template <typename T, int D, int WG0>
@@ -219,6 +371,26 @@ __device__ __forceinline__ void store_dkv(const Tile& c, const float* dk_acc, co
 #pragma unroll
     for (int t = 0; t < D / 8; ++t) {
         const int col = t * 8 + tig * 2;
+        if (kr < c.cols) {
+            if (col < d) *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + col) = pack<T>(scale * dk_acc[4 * t], scale * dk_acc[4 * t + 1]);
+            if (col < dv) *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + col) = pack<T>(dv_acc[4 * t], dv_acc[4 * t + 1]);
+        }
+        if (r1 < c.cols) {
+            if (col < d) *reinterpret_cast<unsigned*>(dKj + (long long)r1 * lddk + col) = pack<T>(scale * dk_acc[4 * t + 2], scale * dk_acc[4 * t + 3]);
+            if (col < dv) *reinterpret_cast<unsigned*>(dVj + (long long)r1 * lddv + col) = pack<T>(dv_acc[4 * t + 2], dv_acc[4 * t + 3]);
+        }
+    }
+}
+
+// The same from step_wide's accumulators: all 64 keys, warpgroup h's columns of dK_j, dV_j
+template <typename T, int D, int WG0>
+__device__ __forceinline__ void store_dkv_wide(const Tile& c, const float* dk_acc, const float* dv_acc,
+                                               T* dKj, T* dVj, int lddk, int lddv, int d, int dv, float scale) {
+    const Thread<WG0> th;
+    const int kr = th.warp * 16 + (th.lane >> 2), r1 = kr + 8, tig = th.lane & 3;
+#pragma unroll
+    for (int t = 0; t < D / 16; ++t) {
+        const int col = th.grp * (D / 2) + t * 8 + tig * 2;
         if (kr < c.cols) {
             if (col < d) *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + col) = pack<T>(scale * dk_acc[4 * t], scale * dk_acc[4 * t + 1]);
             if (col < dv) *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + col) = pack<T>(dv_acc[4 * t], dv_acc[4 * t + 1]);

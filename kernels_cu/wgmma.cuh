@@ -92,7 +92,9 @@ FLASHSIM_WGMMA_64(__half, "f16")
 FLASHSIM_WGMMA_64(__nv_bfloat16, "bf16")
 #define FLASHSIM_WGMMA_128(CTY, TY)                                                                                      \
 template <> struct Wgmma<CTY, 128> {                                                                                     \
-    /* D (64 × 128) (+)= A B, A and B from shared memory (descriptors), both K-major */                                  \
+    /* D (64 × 128) (+)= A B, A and B from shared memory (descriptors), K-major, or                                      \
+       MN-major where TA (TB) is 1 (the D = 256 backward's dK, dV and dQ halves) */                                      \
+    template <int TA = 0, int TB = 0>                                                                                    \
     static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) {    \
         asm volatile(                                                                                                    \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                 \
@@ -100,7 +102,7 @@ template <> struct Wgmma<CTY, 128> {                                            
             "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                    \
             "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                           \
             "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                           \
-            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"            \
+            "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, %67, %68;\n}\n"          \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
@@ -109,7 +111,7 @@ template <> struct Wgmma<CTY, 128> {                                            
               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),    \
               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
-            : "l"(a), "l"(b), "r"(accumulate));                                                                          \
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));                                                        \
     }                                                                                                                    \
     /* D (64 × 128) += A B, A from registers (the m16n8k16 A layout per warp), B from                                    \
        shared memory MN-major (trans-b = 1) */                                                                           \
@@ -133,9 +135,20 @@ template <> struct Wgmma<CTY, 128> {                                            
 };
 FLASHSIM_WGMMA_128(__half, "f16")
 FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
-// the P V_j products of the D = 32 and D = 96 instances (rs alone)
+// the P V_j products of the D = 32 and D = 96 instances (rs); the D = 256 backward's half steps (ss)
 #define FLASHSIM_WGMMA_RS_32(CTY, TY)                                                                                 \
 template <> struct Wgmma<CTY, 32> {                                                                                   \
+    /* D (64 × 32) (+)= A B, A and B from shared memory, K-major (the D = 256 backward's                              \
+       Sᵀ, dPᵀ of half a step's queries) */                                                                           \
+    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) { \
+        asm volatile(                                                                                                 \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                              \
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                               \
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"                  \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])    \
+            : "l"(a), "l"(b), "r"(accumulate));                                                                       \
+    }                                                                                                                 \
     /* D (64 × 32) += A B, A from registers, B from shared memory MN-major */                                         \
     static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                    \
         asm volatile(                                                                                                 \

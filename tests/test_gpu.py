@@ -33,8 +33,8 @@ FAST_HEAD_DIMS = (8, 16, 32, 40, 64, 72, 96, 112, 128, 136, 192, 256)
 
 
 def on_rung(kernel: str, d: int, dv: int, backward: bool = False):
-    """Only examples the rung has an instance for: the Hopper backward's largest is 128
-    (above it "auto" runs the tensor-core one, which tests with kernel="tc" cover)."""
+    """Only examples the rung has an instance for (each rung's largest is 256 today, so
+    this holds for every head dim drawn; it stays for instances that stop below)."""
     dims = fs.kernels.WG_BWD_HEAD_DIMS if backward else fs.kernels.WG_HEAD_DIMS
     assume(kernel != "wg" or max(d, dv) <= max(dims))
 
@@ -483,7 +483,8 @@ HOPPER_ONLY = pytest.mark.skipif(not fs.gpu.available() or not hopper(),
 @pytest.mark.parametrize("kernel, dtype, d", [
     ("tc", "float16", 64), ("tc", "float16", 128), ("ref", "float32", 40),
     pytest.param("wg", "float16", 64, marks=HOPPER_ONLY),
-    pytest.param("wg", "bfloat16", 128, marks=HOPPER_ONLY)])
+    pytest.param("wg", "bfloat16", 128, marks=HOPPER_ONLY),
+    pytest.param("wg", "float16", 256, marks=HOPPER_ONLY)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_backward_is_the_same_bits_every_run(kernel, dtype, d, causal):
     """Many K/V tiles add into each Q tile's dQ (Nk = 1500): with atomics their order
@@ -555,6 +556,24 @@ def test_every_hopper_forward_instance(poisoned, D, dtype):
         v = rnd(random_tensor(rng, (1, 2, 317, dv))).astype(np.float64)
         assert fs.kernels.instance_dim("wg", d, dv) == D
         check_forward(q, k, v, dtype, causal, None, kernel="wg")
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("D", fs.kernels.WG_BWD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_every_hopper_backward_instance(poisoned, D, dtype):
+    """Each instance of the wg backward (D = 256: 64 keys per CTA, the warpgroups splitting
+    dK, dV and dQ by columns): at d = dv = D and below D with dv ≠ d, ragged tiles, GQA,
+    causal and not, both dQ modes, against the simulator with exact counts."""
+    rng = np.random.default_rng(D + 1)
+    rnd = make_precision("kernel", dtype).io_round
+    for d, dv, causal, det in ((D, D, False, False), (D, D, True, True),
+                               (D - 8, max(8, D // 16 * 8), True, False)):
+        q = rnd(random_tensor(rng, (1, 4, 203, d))).astype(np.float64)
+        k = rnd(random_tensor(rng, (1, 2, 317, d))).astype(np.float64)
+        v = rnd(random_tensor(rng, (1, 2, 317, dv))).astype(np.float64)
+        assert fs.kernels.instance_dim("wg", d, dv, backward=True) == D
+        check_backward(q, k, v, dtype, causal, None, kernel="wg", deterministic=det)
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
