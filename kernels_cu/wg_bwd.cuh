@@ -2,7 +2,8 @@
 // flash2_bwd_wg (its consumers load the tiles with cp.async) and flash2_ws.cu's
 // flash2_bwd_ws (a producer warpgroup loads them with TMA): the products, the
 // elementwise work and dQ's additions of one step of BrB queries against the CTA's K/V
-// tile of Bc keys, which two warpgroups of 64 keys each share. Per step:
+// tile of Bc keys, which two warpgroups of 64 keys each share (at D = 256, step_wide
+// below: 64 keys, the warpgroups splitting the columns). Per step:
 //   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
 //      BrB queries per warpgroup, two commit groups;
 //   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
