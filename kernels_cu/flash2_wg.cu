@@ -285,10 +285,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // flash2_bwd_wg<T, D, VAR, VL>, flash2_bwd_wg_det<T, D, VAR, VL>: the backward main loop
 // on warpgroup MMAs (the pre-pass is flash2_tc.cu's flash2_bwd_preprocess_tc, the
 // post-pass the reference's). The schedule, tiles and traffic of flash2_bwd_tc: K/V-outer,
-// one CTA per K/V tile j of Bc = 128 keys (64 at D = 256), the visited Q tiles streaming
+// one CTA per K/V tile j of Bc = 128 keys (64 at D = 192, 256), the visited Q tiles streaming
 // through shared memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128
-// at D = 64, 64 at D = 128 and 256). Two warpgroups, 64 keys each: dK_j and dV_j of its
-// keys stay in a warpgroup's registers (wgmma accumulators) for the whole loop; at D = 256
+// at D = 64, 64 above). Two warpgroups, 64 keys each: dK_j and dV_j of its
+// keys stay in a warpgroup's registers (wgmma accumulators) for the whole loop; at D = 192, 256
 // both warpgroups take all 64 keys and split the columns (wg_bwd.cuh's step_wide). A
 // step's products and elementwise work are wg_bwd.cuh's (step shared with flash2_ws.cu's
 // flash2_bwd_ws, which loads by TMA).
@@ -300,7 +300,7 @@ __device__ __forceinline__ void
 bwd_wg(FLASHSIM_BWD_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dims 64, 128, 192 and 256");
     static_assert(wg::THREADS == wgb::THREADS, "load_tile's passes assume two warpgroups");
     constexpr int Bc = wgb::bc<D>(), BrB = wgb::brb<D>();
     constexpr bool WIDE = D > 128;                   // wg_bwd.cuh's step_wide: columns split
@@ -308,7 +308,7 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const unsigned sK = base;                        // Bc·D, D/64 column blocks of Bc rows
+    const unsigned sK = base;                        // Bc·D, Cols<D>: D/W column blocks of Bc rows
     const unsigned sV = sK + Bc * D * 2;             // Bc·D
     const unsigned sQ = sV + Bc * D * 2;             // 2 × BrB·D
     const unsigned sdO = sQ + 2 * BrB * D * 2;       // 2 × BrB·D

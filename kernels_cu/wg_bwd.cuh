@@ -2,7 +2,7 @@
 // flash2_bwd_wg (its consumers load the tiles with cp.async) and flash2_ws.cu's
 // flash2_bwd_ws (a producer warpgroup loads them with TMA): the products, the
 // elementwise work and dQ's additions of one step of BrB queries against the CTA's K/V
-// tile of Bc keys, which two warpgroups of 64 keys each share (at D = 256, step_wide
+// tile of Bc keys, which two warpgroups of 64 keys each share (at D = 192 and 256, step_wide
 // below: 64 keys, the warpgroups splitting the columns). Per step:
 //   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
 //      BrB queries per warpgroup, two commit groups;
@@ -24,8 +24,8 @@
 namespace wgb {
 constexpr int Bc = 128, THREADS = 256;               // keys per CTA (D ≤ 128); the two warpgroups' threads
 template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
-// keys per CTA: at D = 256 a warpgroup's dK_j, dV_j of 64 keys would take 256 registers
-// per thread, so the CTA takes 64 keys and the warpgroups split their columns (step_wide)
+// keys per CTA: above 128 a warpgroup's dK_j, dV_j of 64 keys would take D registers per
+// thread, so the CTA takes 64 keys and the warpgroups split their columns (step_wide)
 template <int D> __host__ __device__ constexpr int bc() { return D > 128 ? 64 : Bc; }
 
 // What a CTA's steps share: its K/V tile in shared memory and where its rows are
@@ -213,9 +213,11 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     pass(turn);
 }
 
-// One step at D = 256 (step_wide): the CTA's 64 keys meet BrB = 64 queries. dK_j and dV_j
-// (64 × 256 each) are split by columns: warpgroup h keeps columns 128·h … 128·h + 127 of
-// both (64 + 64 registers per thread) and computes that half of dQ_i. The elementwise work
+// One step at D = 192 and 256 (step_wide): the CTA's 64 keys meet BrB = 64 queries. dK_j
+// and dV_j (64 × D each) are split by columns: warpgroup h keeps columns H·h … H·h + H − 1
+// of both (H = D/2: 64 + 64 registers per thread at 256, 48 + 48 at 192) and computes that
+// half of dQ_i. The tiles of K_j, V_j, Q_i, dO_i lie as wgmma.cuh's Cols<D> (D = 192: 32-
+// column blocks, the 64-byte swizzle, so that a half is whole blocks). The elementwise work
 // is split by queries, so that each warpgroup forms its own scores and no fp32 value
 // crosses between them:
 //   1. warpgroup h: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for queries 32·h … 32·h + 31 (64 keys
@@ -236,8 +238,10 @@ __device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i
                                           float* __restrict__ dQacc, int d, Slope slope, Read read, Wait wait,
                                           Pass pass) {
     using namespace wg;
-    static_assert(D == 256, "the wide step is the D = 256 instance's");
+    static_assert(D == 192 || D == 256, "the wide step is the D = 192 and 256 instances'");
+    using CL = Cols<D>;
     constexpr int Bc = bc<D>(), BrB = brb<D>(), H = D / 2, QH = BrB / 2;   // a warpgroup's columns, queries
+    constexpr int HB = H / CL::W;                    // column blocks per half
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
     const Thread<WG0> th;
@@ -252,16 +256,16 @@ __device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned stp = (kk & 3) << 5;
-        Wgmma<T, QH>::ss(s, desc(c.sK + (kk >> 2) * (Bc * 128) + stp, 16, 1024),
-                         desc(qb + (kk >> 2) * (BrB * 128) + qh * 128 + stp, 16, 1024), kk > 0);
+        const unsigned blk = kk / CL::KSTEPS, stp = (kk % CL::KSTEPS) << 5;   // 16 columns: 32 bytes
+        Wgmma<T, QH>::ss(s, desc(c.sK + blk * (Bc * CL::RB) + stp, 16, CL::SBO, CL::MODE),
+                         desc(qb + blk * (BrB * CL::RB) + qh * CL::RB + stp, 16, CL::SBO, CL::MODE), kk > 0);
     }
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned stp = (kk & 3) << 5;
-        Wgmma<T, QH>::ss(dp, desc(c.sV + (kk >> 2) * (Bc * 128) + stp, 16, 1024),
-                         desc(dob + (kk >> 2) * (BrB * 128) + qh * 128 + stp, 16, 1024), kk > 0);
+        const unsigned blk = kk / CL::KSTEPS, stp = (kk % CL::KSTEPS) << 5;
+        Wgmma<T, QH>::ss(dp, desc(c.sV + blk * (Bc * CL::RB) + stp, 16, CL::SBO, CL::MODE),
+                         desc(dob + blk * (BrB * CL::RB) + qh * CL::RB + stp, 16, CL::SBO, CL::MODE), kk > 0);
     }
     wgmma_commit();
     wgmma_wait<VAR ? 0 : 1>();                       // Sᵀ is done; dPᵀ may run on (VAR: both)
@@ -324,25 +328,26 @@ __device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i
     asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(THREADS) : "memory");   // every query's Pᵀ, dSᵀ
 
     // 3. dV_j[:, h] += Pᵀ dO_i[:, h], dK_j[:, h] += dSᵀ Q_i[:, h] (k = BrB queries);
-    //    dQ_i[:, h] = scale · dS K_j[:, h] (k = Bc keys)
+    //    dQ_i[:, h] = scale · dS K_j[:, h] (k = Bc keys). The B operands (MN-major): HB
+    //    column blocks from block HB·h, LBO the block stride
     fence_regs<H / 2>(dv_acc);
     fence_regs<H / 2>(dk_acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BrB / 16; ++kk)
         Wgmma<T, H>::template ss<0, 1>(dv_acc, desc(sP + (kk << 5), 16, 1024),
-                                       desc(dob + th.grp * (H / 64) * (BrB * 128) + kk * 16 * 128, BrB * 128, 1024), 1);
+                                       desc(dob + th.grp * HB * (BrB * CL::RB) + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE), 1);
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < BrB / 16; ++kk)
         Wgmma<T, H>::template ss<0, 1>(dk_acc, desc(sdS + (kk << 5), 16, 1024),
-                                       desc(qb + th.grp * (H / 64) * (BrB * 128) + kk * 16 * 128, BrB * 128, 1024), 1);
+                                       desc(qb + th.grp * HB * (BrB * CL::RB) + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE), 1);
     wgmma_commit();
     float dq[H / 2];
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk)
         Wgmma<T, H>::template ss<1, 1>(dq, desc(sdS + kk * 16 * 128, Bc * 128, 1024),
-                                       desc(c.sK + th.grp * (H / 64) * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
+                                       desc(c.sK + th.grp * HB * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs<H / 2>(dq);

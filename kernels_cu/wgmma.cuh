@@ -30,9 +30,11 @@ __device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, 
 // ROWS rows of RB = 2W bytes, 16-byte chunk c of row r at c ^ swz(r). W = 64 (rows of
 // 128 bytes, the 128-byte swizzle: c ^ (r & 7)) where 64 divides D; else W = 32 (D = 32,
 // 96: rows of 64 bytes, the 64-byte swizzle, c ^ ((r >> 1) & 3)), so that every block is
-// whole and one descriptor mode serves the tile. Both patterns repeat every 8 rows.
+// whole and one descriptor mode serves the tile. D = 192 takes W = 32 too: the wide
+// backward (wg_bwd.cuh's step_wide) gives each warpgroup D/2 = 96 columns, an MN-major
+// operand that must start on a block. Both patterns repeat every 8 rows.
 template <int D> struct Cols {
-    static constexpr int W = D % 64 == 0 ? 64 : 32;
+    static constexpr int W = D % 64 == 0 && D != 192 ? 64 : 32;
     static constexpr int RB = 2 * W;             // bytes per row of a block
     static constexpr int SBO = 8 * RB;           // bytes per 8-row group
     static constexpr int KSTEPS = W / 16;        // 16-column k-steps per block
@@ -164,6 +166,24 @@ FLASHSIM_WGMMA_RS_32(__half, "f16")
 FLASHSIM_WGMMA_RS_32(__nv_bfloat16, "bf16")
 #define FLASHSIM_WGMMA_RS_96(CTY, TY)                                                                                 \
 template <> struct Wgmma<CTY, 96> {                                                                                   \
+    /* D (64 × 96) (+)= A B, A and B from shared memory, K-major, or MN-major where TA                                \
+       (TB) is 1 (the D = 192 backward's dK, dV and dQ halves) */                                                     \
+    template <int TA = 0, int TB = 0>                                                                                 \
+    static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) { \
+        asm volatile(                                                                                                 \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"                                                              \
+            "wgmma.mma_async.sync.aligned.m64n96k16.f32." TY "." TY " "                                               \
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                                 \
+            "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                        \
+            "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, %48, %49, p, 1, 1, %51, %52;\n}\n"      \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+              "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+              "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])  \
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));                                                     \
+    }                                                                                                                 \
     /* D (64 × 96) += A B, A from registers, B from shared memory MN-major */                                         \
     static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                    \
         asm volatile(                                                                                                 \

@@ -562,7 +562,7 @@ def test_every_hopper_forward_instance(poisoned, D, dtype):
 @pytest.mark.parametrize("D", fs.kernels.WG_BWD_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", TC_DTYPES)
 def test_every_hopper_backward_instance(poisoned, D, dtype):
-    """Each instance of the wg backward (D = 256: 64 keys per CTA, the warpgroups splitting
+    """Each instance of the wg backward (D = 192 and 256: 64 keys per CTA, the warpgroups splitting
     dK, dV and dQ by columns): at d = dv = D and below D with dv ≠ d, ragged tiles, GQA,
     causal and not, both dQ modes, against the simulator with exact counts."""
     rng = np.random.default_rng(D + 1)
