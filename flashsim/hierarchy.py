@@ -110,11 +110,12 @@ EFFICIENCY = {
     ("flash2_bwd_wg_det", 64): 0.280, ("flash2_bwd_wg_det", 128): 0.302,
     # its D = 256 instance (wg_bwd.cuh's step_wide), the same way: 219.7 TF/s at d = 256,
     # N = 4096 (analysis/out/bench/wg_bwd256.json) over the wg backward's 297 at d = 128
-    # (head_dims.json: another process on the same device); det by wg's det / plain at 128
-    ("flash2_bwd_wg", 256): 0.269, ("flash2_bwd_wg_det", 256): 0.224,
-    # its D = 192 instance (step_wide on 32-column blocks), the same way: 195.0 TF/s at
-    # d = 192, N = 4096 (analysis/out/bench/wg_bwd192.json) over D = 256's 219.7 above
-    ("flash2_bwd_wg", 192): 0.239, ("flash2_bwd_wg_det", 192): 0.199,
+    # (head_dims.json: another process on the same device), 0.269, then by 227.6 / 219.7
+    # once L_i, D_i were read a step ahead (wg_bwd_wide.json); det by wg's det / plain at 128
+    ("flash2_bwd_wg", 256): 0.279, ("flash2_bwd_wg_det", 256): 0.232,
+    # its D = 192 instance (step_wide on 32-column blocks), the same way: 208.8 TF/s at
+    # d = 192, N = 4096 against D = 256's 227.6 in one run (wg_bwd_wide.json)
+    ("flash2_bwd_wg", 192): 0.256, ("flash2_bwd_wg_det", 192): 0.213,
     # the same scaling by measured TFLOP/s (H100, float16, no mask): the ws forward from
     # wg's 0.485 by ws / wg = 569 / 399 at N = 16384 (analysis/out/bench/ws_fwd.md); the
     # D = 256 instances from ws at d = 128 and the wg backward at d = 128 in one run at

@@ -339,19 +339,36 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
         s_qdo[0] = Q + at_row0(at, p, AT_Q) + sq.q0 * (long long)ldq;
         s_qdo[1] = dO + at_row0(at, p, AT_dO) + sq.q0 * (long long)lddo;
     }
-    auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
+    // late (WIDE, in the loop): L_i, D_i of row tid (< BrB ≤ THREADS) read into *late and
+    // stored by store_ld at the end of the step before, so that no warp waits on the
+    // global loads before its step's products (warpgroup 0's would hold both warpgroups
+    // there): +2–8% at d = 160–256 on an H100 (kernels_cu/NOTES.md v25.1); at D = 64 the two
+    // registers held across the step cost 5–10%, so the narrow step stores them at once
+    static_assert(BrB <= wgb::THREADS, "a row of L, D per thread");
+    auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs, float2* late) {
         const int i0 = i * BrB, rows = min(BrB, nq - i0);
         const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
         load_tile<T, D, BrB>(sQ + buf * BrB * D * 2, Qs + (long long)i0 * ldq, ldq, rows, d);     // HBM→SRAM: Q_i (Br·d)
         load_tile<T, D, BrB>(sdO + buf * BrB * D * 2, dOs + (long long)i0 * lddo, lddo, rows, dv); // HBM→SRAM: dO_i (Br·dv)
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
         // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
-        for (int r = tid; r < BrB; r += THREADS) {
-            const float l = r < rows ? L[q_row + r] : neg_inf<float>();             // HBM→SRAM: L_i (Br)
-            sL[buf * BrB + r] = l == neg_inf<float>() ? -neg_inf<float>() : l * LOG2E;
-            sD[buf * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;                     // HBM→SRAM: D_i (Br)
+        if (late == nullptr) {
+            for (int r = tid; r < BrB; r += THREADS) {
+                const float l = r < rows ? L[q_row + r] : neg_inf<float>();         // HBM→SRAM: L_i (Br)
+                sL[buf * BrB + r] = l == neg_inf<float>() ? -neg_inf<float>() : l * LOG2E;
+                sD[buf * BrB + r] = r < rows ? Dv[q_row + r] : 0.f;                 // HBM→SRAM: D_i (Br)
+            }
+        } else if (tid < BrB) {
+            late->x = tid < rows ? L[q_row + tid] : neg_inf<float>();                // HBM→SRAM: L_i (Br)
+            late->y = tid < rows ? Dv[q_row + tid] : 0.f;                            // HBM→SRAM: D_i (Br)
         }
         cp_async_commit();
+    };
+    auto store_ld = [&](int buf, float2 ld) {
+        if (tid < BrB) {
+            sL[buf * BrB + tid] = ld.x == neg_inf<float>() ? -neg_inf<float>() : ld.x * LOG2E;
+            sD[buf * BrB + tid] = ld.y;
+        }
     };
     auto slope = [&]() {
         return slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f;
@@ -371,7 +388,7 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
         load_tile<T, D, Bc>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols, dv);   // HBM→SRAM: V_j (Bc·dv)
         cp_async_commit();
         __syncthreads();                             // s_qdo
-        load_q_step(ilo, 0, s_qdo[0], s_qdo[1]);
+        load_q_step(ilo, 0, s_qdo[0], s_qdo[1], nullptr);
     }
     for (int i = ilo; i <= ihi; ++i) {
         const int buf = (i - ilo) & 1;
@@ -380,7 +397,8 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
-        if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
+        float2 ld = make_float2(0.f, 0.f);
+        if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1], WIDE ? &ld : nullptr);
         if constexpr (WIDE)
             wgb::step_wide<T, D, VAR, 0, 1>(tile, (long long)p * Nq + sq.q0, i, sQ + buf * BrB * D * 2, sdO + buf * BrB * D * 2,
                                             sdS, sP, sL + buf * BrB, sD + buf * BrB, dv_acc, dk_acc, scale, k_in, k_out,
@@ -389,6 +407,7 @@ bwd_wg(FLASHSIM_BWD_PARAMS) {
             wgb::step<T, D, VAR, 0, 1>(tile, (long long)p * Nq + sq.q0, i, sQ + buf * BrB * D * 2, sdO + buf * BrB * D * 2, sdS,
                                     sL + buf * BrB, sD + buf * BrB, dv_acc, dk_acc, scale, k_in, k_out,
                                     dQacc, d, slope, [] {}, wait, pass);
+        if (WIDE && i < ihi) store_ld(buf ^ 1, ld);  // published by the next step's barrier
     }
     // the traffic, counted once after the loop, as flash2_bwd_tc's
     if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
