@@ -116,6 +116,10 @@ EFFICIENCY = {
     # its D = 192 instance (step_wide on 32-column blocks), the same way: 208.8 TF/s at
     # d = 192, N = 4096 against D = 256's 227.6 in one run (wg_bwd_wide.json)
     ("flash2_bwd_wg", 192): 0.256, ("flash2_bwd_wg_det", 192): 0.213,
+    # its D = 32 instance, the same way: at d = 32, N = 16384, float16, 183.4 TF/s against
+    # the D = 64 instance's 185.2 in one run (kernels_cu/NOTES.md v26), whose η at d = 32
+    # is 0.341 · 64/128; det by wg's det / plain at 64
+    ("flash2_bwd_wg", 32): 0.169, ("flash2_bwd_wg_det", 32): 0.139,
     # the same scaling by measured TFLOP/s (H100, float16, no mask): the ws forward from
     # wg's 0.485 by ws / wg = 569 / 399 at N = 16384 (analysis/out/bench/ws_fwd.md); the
     # D = 256 instances from ws at d = 128 and the wg backward at d = 128 in one run at

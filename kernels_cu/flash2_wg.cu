@@ -287,7 +287,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // post-pass the reference's). The schedule, tiles and traffic of flash2_bwd_tc: K/V-outer,
 // one CTA per K/V tile j of Bc = 128 keys (64 at D = 192, 256), the visited Q tiles streaming
 // through shared memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128
-// at D = 64, 64 above). Two warpgroups, 64 keys each: dK_j and dV_j of its
+// at D = 32 and 64, 64 above). Head dims D ∈ {32, 64, 128, 192, 256}. Two warpgroups, 64 keys each: dK_j and dV_j of its
 // keys stay in a warpgroup's registers (wgmma accumulators) for the whole loop; at D = 192, 256
 // both warpgroups take all 64 keys and split the columns (wg_bwd.cuh's step_wide). A
 // step's products and elementwise work are wg_bwd.cuh's (step shared with flash2_ws.cu's
@@ -300,7 +300,7 @@ __device__ __forceinline__ void
 bwd_wg(FLASHSIM_BWD_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dims 64, 128, 192 and 256");
+    static_assert(D == 32 || D == 64 || D == 128 || D == 192 || D == 256, "head dims 32, 64, 128, 192 and 256");
     static_assert(wg::THREADS == wgb::THREADS, "load_tile's passes assume two warpgroups");
     constexpr int Bc = wgb::bc<D>(), BrB = wgb::brb<D>();
     constexpr bool WIDE = D > 128;                   // wg_bwd.cuh's step_wide: columns split

@@ -3,7 +3,8 @@
 // flash2_bwd_ws (a producer warpgroup loads them with TMA): the products, the
 // elementwise work and dQ's additions of one step of BrB queries against the CTA's K/V
 // tile of Bc keys, which two warpgroups of 64 keys each share (at D = 192 and 256, step_wide
-// below: 64 keys, the warpgroups splitting the columns). Per step:
+// below: 64 keys, the warpgroups splitting the columns). The tiles of K_j, V_j, Q_i, dO_i
+// lie as wgmma.cuh's Cols<D> (D = 32: one 32-column block, the 64-byte swizzle). Per step:
 //   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
 //      BrB queries per warpgroup, two commit groups;
 //   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
@@ -14,7 +15,7 @@
 //   4. dQ_i = dS K_j after a barrier of the two warpgroups (each needs every key's dS):
 //      A = dSᵀ MN-major (the instruction transposes it), B = K_j MN-major; each
 //      warpgroup one 64 × 64 block of dQ_i (D = 128: its half of the columns; D = 64: its
-//      half of the queries), added to the fp32 accumulator with two-float atomics (in
+//      half of the queries; D = 32: its half of the queries, 64 × 32), added to the fp32 accumulator with two-float atomics (in
 //      turns where the caller's wait/pass order them), or stored to shared memory for
 //      the caller to add (flash2_bwd_ws: bulk reduce-adds).
 
@@ -23,14 +24,14 @@
 
 namespace wgb {
 constexpr int Bc = 128, THREADS = 256;               // keys per CTA (D ≤ 128); the two warpgroups' threads
-template <int D> __host__ __device__ constexpr int brb() { return D == 64 ? 128 : 64; }
+template <int D> __host__ __device__ constexpr int brb() { return D <= 64 ? 128 : 64; }
 // keys per CTA: above 128 a warpgroup's dK_j, dV_j of 64 keys would take D registers per
 // thread, so the CTA takes 64 keys and the warpgroups split their columns (step_wide)
 template <int D> __host__ __device__ constexpr int bc() { return D > 128 ? 64 : Bc; }
 
 // What a CTA's steps share: its K/V tile in shared memory and where its rows are
 struct Tile {
-    unsigned sK, sV;        // K_j, V_j: D/64 column blocks of Bc rows, the 128-byte swizzle
+    unsigned sK, sV;        // K_j, V_j: D/W column blocks of Bc rows (Cols<D>)
     int j0, cols;           // first key of the tile, keys in it (< Bc: the last tile)
     int nq, nk;             // the sequence's lengths
     Band band;
@@ -68,6 +69,7 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
                                      int d, Slope slope, Read read, Wait wait, Pass pass,
                                      float* sdQ = nullptr) {
     using namespace wg;
+    using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32)
     constexpr int Bc = wgb::Bc, BrB = brb<D>();
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
@@ -82,16 +84,16 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned stp = (kk & 3) << 5;
-        Wgmma<T, BrB>::ss(s, desc(c.sK + (kk >> 2) * (Bc * 128) + th.grp * 64 * 128 + stp, 16, 1024),
-                          desc(qb + (kk >> 2) * (BrB * 128) + stp, 16, 1024), kk > 0);
+        const unsigned blk = kk / CL::KSTEPS, stp = (kk % CL::KSTEPS) << 5;   // 16 columns: 32 bytes
+        Wgmma<T, BrB>::ss(s, desc(c.sK + blk * (Bc * CL::RB) + th.grp * 64 * CL::RB + stp, 16, CL::SBO, CL::MODE),
+                          desc(qb + blk * (BrB * CL::RB) + stp, 16, CL::SBO, CL::MODE), kk > 0);
     }
     wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const unsigned stp = (kk & 3) << 5;
-        Wgmma<T, BrB>::ss(dp, desc(c.sV + (kk >> 2) * (Bc * 128) + th.grp * 64 * 128 + stp, 16, 1024),
-                          desc(dob + (kk >> 2) * (BrB * 128) + stp, 16, 1024), kk > 0);
+        const unsigned blk = kk / CL::KSTEPS, stp = (kk % CL::KSTEPS) << 5;
+        Wgmma<T, BrB>::ss(dp, desc(c.sV + blk * (Bc * CL::RB) + th.grp * 64 * CL::RB + stp, 16, CL::SBO, CL::MODE),
+                          desc(dob + blk * (BrB * CL::RB) + stp, 16, CL::SBO, CL::MODE), kk > 0);
     }
     wgmma_commit();
     // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per score,
@@ -144,7 +146,7 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BrB / 16; ++kk)
-        Wgmma<T, D>::rs(dv_acc, pf[kk], desc(dob + kk * 16 * 128, BrB * 128, 1024));
+        Wgmma<T, D>::rs(dv_acc, pf[kk], desc(dob + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE));
     wgmma_commit();
     if constexpr (!VAR) {
         wgmma_wait<1>();                             // dPᵀ is done; dV_j's product may run on
@@ -170,23 +172,24 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BrB / 16; ++kk)
-        Wgmma<T, D>::rs(dk_acc, dsf[kk], desc(qb + kk * 16 * 128, BrB * 128, 1024));
+        Wgmma<T, D>::rs(dk_acc, dsf[kk], desc(qb + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE));
     wgmma_commit();
     fence_proxy_async();                             // dSᵀ, written by the warps, read by wgmma
     asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(wgb::THREADS) : "memory");   // every key's dSᵀ
 
-    // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × 64 columns, k = Bc
+    // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × QN columns, k = Bc
     constexpr int QB = BrB / 64;                     // query blocks: the warpgroups split
-    const int qblk = th.grp % QB, nblk = th.grp / QB;  // queries (D = 64) or columns (D = 128)
-    float dq[32];
+    constexpr int QN = D < 64 ? D : 64;              // queries (D ≤ 64) or columns (D = 128)
+    const int qblk = th.grp % QB, nblk = th.grp / QB;
+    float dq[QN / 2];
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk)
-        Wgmma<T, 64>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
-                                        desc(c.sK + nblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024), kk > 0);
+        Wgmma<T, QN>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
+                                        desc(c.sK + nblk * (QN / CL::W) * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();                                 // and dV_j's, dK_j's products
-    fence_regs<32>(dq);
+    fence_regs<QN / 2>(dq);
     fence_regs<D / 2>(dv_acc);
     fence_regs<D / 2>(dk_acc);
 #pragma unroll
@@ -199,8 +202,8 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     const Turn turn = wait(i, rows);
     const int r0 = qblk * 64 + th.warp * 16 + g, r1 = r0 + 8;
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
-        const int col = nblk * 64 + t * 8 + tig * 2;
+    for (int t = 0; t < QN / 8; ++t) {
+        const int col = nblk * QN + t * 8 + tig * 2;
         if constexpr (SDQ_LD > 0) {                  // every row: the caller adds `rows` of them
             *reinterpret_cast<float2*>(sdQ + r0 * SDQ_LD + col) = make_float2(scale * dq[4 * t], scale * dq[4 * t + 1]);
             *reinterpret_cast<float2*>(sdQ + r1 * SDQ_LD + col) = make_float2(scale * dq[4 * t + 2], scale * dq[4 * t + 3]);

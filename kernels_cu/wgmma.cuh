@@ -137,19 +137,22 @@ template <> struct Wgmma<CTY, 128> {                                            
 };
 FLASHSIM_WGMMA_128(__half, "f16")
 FLASHSIM_WGMMA_128(__nv_bfloat16, "bf16")
-// the P V_j products of the D = 32 and D = 96 instances (rs); the D = 256 backward's half steps (ss)
+// the P V_j products of the D = 32 and D = 96 instances (rs); the D = 256 backward's half
+// steps and the D = 32 backward's dQ (ss)
 #define FLASHSIM_WGMMA_RS_32(CTY, TY)                                                                                 \
 template <> struct Wgmma<CTY, 32> {                                                                                   \
     /* D (64 × 32) (+)= A B, A and B from shared memory, K-major (the D = 256 backward's                              \
-       Sᵀ, dPᵀ of half a step's queries) */                                                                           \
+       Sᵀ, dPᵀ of half a step's queries), or MN-major where TA (TB) is 1 (the D = 32                                  \
+       backward's dQ) */                                                                                              \
+    template <int TA = 0, int TB = 0>                                                                                 \
     static __device__ __forceinline__ void ss(float* d, unsigned long long a, unsigned long long b, int accumulate) { \
         asm volatile(                                                                                                 \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                              \
             "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                               \
-            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"                  \
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, %20;\n}\n"              \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])    \
-            : "l"(a), "l"(b), "r"(accumulate));                                                                       \
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));                                                     \
     }                                                                                                                 \
     /* D (64 × 32) += A B, A from registers, B from shared memory MN-major */                                         \
     static __device__ __forceinline__ void rs(float* d, const unsigned* a, unsigned long long b) {                    \
