@@ -82,7 +82,8 @@ class PackedTiles(Tiles):
 # -- the number of splits ---------------------------------------------------------------
 
 def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm: int = 1,
-                         max_splits: int = 128, balance_waves: bool = False) -> int:
+                         max_splits: int = 128, balance_waves: bool = False,
+                         combine_rows: int = 0, Bc: int = 64) -> int:
     """Splits per Q tile that fill the GPU without paying for partials it does not need.
 
     ``work`` thread blocks (batch × K/V heads × packed Q tiles) run on ``num_sms`` ×
@@ -97,7 +98,16 @@ def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm:
     ``balance_waves=True`` (what `flashsim.gpu.attention_with_kvcache` uses) also splits
     a busy GPU whose waves would run less than 80% full on average (work just past the
     slots: 512 blocks on 396 slots leave the second wave 29% full, and a memory-bound
-    kernel with a third of its SMs busy runs at a fraction of the bandwidth)."""
+    kernel with a third of its SMs busy runs at a fraction of the bandwidth).
+
+    ``combine_rows`` > 0 (the packed query rows of a Q tile) weighs the combine: one CTA
+    per Q tile reads every part's fp32 partial of those rows (s · rows · 4·d bytes) where
+    each part's CTA reads its share of the K/V tiles of ``Bc`` keys (kv_tiles · Bc · 4·d / s
+    bytes in 16 bits) through its products and softmax, about four times slower per byte
+    than the combine's plain loads; the sum of the two is least at s = √(4 · kv_tiles · Bc
+    / rows), and no more splits than that are considered. (On an H100, 64 packed rows of a
+    1024-key cache ran fastest at 8 splits, 27.6 µs, where filling the SMs alone took 16,
+    33.6 µs: kernels_cu/NOTES.md v27.)"""
     work, num_sms = check_size("work", work, 1), check_size("num_sms", num_sms, 1)
     kv_tiles = check_size("kv_tiles", kv_tiles, 0)
     slots = num_sms * check_size("ctas_per_sm", ctas_per_sm, 1)
@@ -108,6 +118,8 @@ def num_splits_heuristic(work: int, num_sms: int, kv_tiles: int, *, ctas_per_sm:
         if not balance_waves or waves / math.ceil(waves) >= 0.8:
             return 1
     top = min(check_size("max_splits", max_splits, 1), kv_tiles, slots)
+    if check_size("combine_rows", combine_rows, 0) > 0:
+        top = max(1, min(top, math.isqrt(4 * kv_tiles * check_size("Bc", Bc, 1) // combine_rows)))
     eff = {}
     for s in range(1, top + 1):
         if s > 1 and cdiv(kv_tiles, s) == cdiv(kv_tiles, s - 1):
@@ -210,7 +222,8 @@ def _split_count(lay: CacheLayout, blocks, num_splits, hardware) -> int:
     hw = get_hardware(hardware)
     Br, Bc = blocks
     work = lay.batch * lay.kv_heads * cdiv(lay.Nq * lay.g, Br)
-    return num_splits_heuristic(work, hw.num_sms, cdiv(int(lay.total.max()), Bc))
+    return num_splits_heuristic(work, hw.num_sms, cdiv(int(lay.total.max()), Bc),
+                                combine_rows=min(Br, lay.Nq * lay.g), Bc=Bc)
 
 
 def _blocks(block_sizes) -> tuple[int, int]:

@@ -30,7 +30,8 @@
 //                                each Q tile to finish merges them by their log-sum-exp
 //                                into O (I/O type) and L (fp32): the combine, without a
 //                                second launch (a counter per Q tile in `sem`, reset by
-//                                the CTA that merges).
+//                                the CTA that merges), its threads spread over the rows
+//                                and columns with many parts' loads in flight.
 //
 // Layouts: q and O (batch, Nq, heads, D); L (batch, heads, Nq); the caches (pages,
 // page_rows, kv_heads, D), a contiguous cache being one page of `capacity` rows per
@@ -138,57 +139,83 @@ kvcache_append(const T* __restrict__ Knew, const T* __restrict__ Vnew, T* __rest
 
 // -- combine ----------------------------------------------------------------------------
 
-// Merge one packed row r of the parts' partials into O and L, by one warp: the lanes read
-// the row's Lsplit of every non-empty part at once and reduce them with shuffles, then
-// each lane sums its D/32 columns of the parts' Osplit with loads that do not wait on one
-// another. `row` indexes the row in a part's slot, `stride` separates the parts' slots;
-// the loads bypass L1 (other CTAs wrote these partials).
+// Merge the parts' partials of the Q tile's `rows` packed rows (rows row0 … of a part's
+// slot, the parts' slots `stride` rows apart) into O and L, by the CTA:
 //   L = log Σ_p exp(Lsplit_p),   O = Σ_p exp(Lsplit_p − L) Osplit_p
+// first a group of threads per row for L (into sLse), then a thread per 4 columns of a
+// row for O, whose loop over the parts is unrolled so that up to 8 parts' loads are in
+// flight at once:
+// the partials come from L2 (the loads bypass L1: other CTAs wrote them), and a merge
+// that waited on them one part, or one row, at a time was latency-bound (a warp per row,
+// rows in turn: 46.7 µs against 33.6 for 64 rows of 16 parts on an H100, kernels_cu/
+// NOTES.md v27). A part that saw none of the tile's keys wrote no partial and is skipped
+// (outside the loops' unrolled path, whose loads have no test between them).
 template <typename T, int D>
-__device__ __forceinline__ void combine_row(const float* Osplit, const float* Lsplit, T* O,
-                                            float* L, long long row, long long stride, int r,
-                                            int b, int kvh, int G, int Nq, int heads, int n,
-                                            int s, int lane) {
-    constexpr int C = D / 32;                             // columns per lane
+__device__ __forceinline__ void combine_tile(const float* Osplit, const float* Lsplit, T* O, float* L,
+                                             float* sLse, long long row0, long long stride, int i0,
+                                             int rows, int b, int kvh, int G, int Nq, int heads,
+                                             int n, int s, int tid) {
+    constexpr int C4 = D / 4;                             // float4 columns per row
     auto nonempty = [&](int p) { return (long long)n * p / s < (long long)n * (p + 1) / s; };
-    float mx = neg_inf<float>();
-    for (int p = lane; p < s; p += 32)
-        if (nonempty(p)) mx = fmaxf(mx, __ldcg(Lsplit + p * stride + row));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
-    float sum = 0.0f;
-    for (int p = lane; p < s; p += 32)
-        if (nonempty(p) && !is_neg_inf(mx)) sum += expf(__ldcg(Lsplit + p * stride + row) - mx);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
-    const float lse = sum > 0.0f ? mx + logf(sum) : neg_inf<float>();
-    // a part that saw none of the row's keys has Lsplit = −∞ and weighs 0
-    float acc[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[c] = 0.0f;
-    if (sum > 0.0f && n >= s) {
-        // every part has a partial: unrolled, so the loads of several parts are in flight
-        // at once (one part at a time, a 47-part merge waited ~16 µs on L2 latency)
+    const bool all = n >= s;                              // every part has a partial
+    // L: GS threads per row (32 at up to 4 rows, 2 at 64), each over parts sub, sub + GS, …,
+    // reduced by shuffles within the group (the rows of a pass run together)
+    int GS = 32;
+    while (GS > 1 && GS * rows > skv::THREADS) GS >>= 1;
+    const int sub = tid % GS, per = skv::THREADS / GS;
+    for (int r0 = 0; r0 < rows; r0 += per) {         // the same passes for every thread
+        const int r = r0 + tid / GS;
+        const bool on = r < rows;
+        const float* l = Lsplit + row0 + r;
+        float mx = neg_inf<float>();
+        if (on && all) {
 #pragma unroll 4
-        for (int p = 0; p < s; ++p) {
-            const float w = expf(__ldcg(Lsplit + p * stride + row) - lse);
-            const float* src = Osplit + (p * stride + row) * D + lane;
-#pragma unroll
-            for (int c = 0; c < C; ++c) acc[c] += w * __ldcg(src + 32 * c);
+            for (int p = sub; p < s; p += GS) mx = fmaxf(mx, __ldcg(l + p * stride));
+        } else if (on) {
+            for (int p = sub; p < s; p += GS)
+                if (nonempty(p)) mx = fmaxf(mx, __ldcg(l + p * stride));
         }
-    } else if (sum > 0.0f) {
-        for (int p = 0; p < s; ++p) {
-            if (!nonempty(p)) continue;
-            const float w = expf(__ldcg(Lsplit + p * stride + row) - lse);
-            const float* src = Osplit + (p * stride + row) * D + lane;
-#pragma unroll
-            for (int c = 0; c < C; ++c) acc[c] += w * __ldcg(src + 32 * c);
+        for (int off = GS / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, off));
+        float sum = 0.0f;
+        if (on && all && !is_neg_inf(mx)) {
+#pragma unroll 4
+            for (int p = sub; p < s; p += GS) sum += expf(__ldcg(l + p * stride) - mx);
+        } else if (on && !is_neg_inf(mx)) {
+            for (int p = sub; p < s; p += GS)
+                if (nonempty(p)) sum += expf(__ldcg(l + p * stride) - mx);
+        }
+        for (int off = GS / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+        if (on && sub == 0) {
+            const float lse = sum > 0.0f ? mx + logf(sum) : neg_inf<float>();
+            sLse[r] = lse;
+            L[((long long)b * heads + kvh * G + (i0 + r) % G) * Nq + (i0 + r) / G] = lse;
         }
     }
-    const long long q_row = (((long long)b * Nq + r / G) * heads + kvh * G + r % G) * D;
+    __syncthreads();
+    for (int x = tid; x < rows * C4; x += skv::THREADS) {
+        const int r = x / C4, c = (x % C4) * 4;
+        const float lse = sLse[r];
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const float* l = Lsplit + row0 + r;
+        const float* src = Osplit + (row0 + r) * D + c;
+        auto add = [&](int p) {
+            const float w = expf(__ldcg(l + p * stride) - lse);
+            const float4 o = __ldcg(reinterpret_cast<const float4*>(src + p * stride * D));
+            acc[0] += w * o.x; acc[1] += w * o.y; acc[2] += w * o.z; acc[3] += w * o.w;
+        };
+        if (is_neg_inf(lse)) {                            // a row with no key: O = 0
+        } else if (all) {                                 // no test between the loads
+#pragma unroll 8
+            for (int p = 0; p < s; ++p) add(p);
+        } else {
+            for (int p = 0; p < s; ++p)
+                if (nonempty(p)) add(p);
+        }
+        const int q = i0 + r;
+        T* dst = O + (((long long)b * Nq + q / G) * heads + kvh * G + q % G) * D + c;
 #pragma unroll
-    for (int c = 0; c < C; ++c) O[q_row + lane + 32 * c] = from_acc<T>(acc[c]);
-    if (lane == 0) L[((long long)b * heads + kvh * G + r % G) * Nq + r / G] = lse;
+        for (int e = 0; e < 4; ++e) dst[e] = from_acc<T>(acc[e]);
+    }
 }
 
 // -- split-KV attention --------------------------------------------------------------------
@@ -494,10 +521,8 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     COUNT_IO(io, IO_Lsplit_R, (long long)parts * rows * 4);          // HBM→SRAM: Lsplit_ip
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));           // SRAM→HBM: O_i
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                       // SRAM→HBM: L_i
-    for (int r = warp; r < rows; r += WARPS)
-        combine_row<T, D>(Osplit, Lsplit, O, L, (long long)z * M + i0 + r,
-                          (long long)gridDim.z * M, i0 + r, b, kvh, G, Nq, heads, part.n, s,
-                          lane);
+    combine_tile<T, D>(Osplit, Lsplit, O, L, sM, (long long)z * M + i0, (long long)gridDim.z * M,
+                       i0, rows, b, kvh, G, Nq, heads, part.n, s, tid);
     if (tid == 0) *done = 0;        // ready for the next launch
 }
 

@@ -180,6 +180,18 @@ def test_split_heuristic():
     assert num_splits_heuristic(1, 132, kv_tiles=1000) == 125
     assert num_splits_heuristic(1, 132, kv_tiles=5) == 5
     assert num_splits_heuristic(1, 132, kv_tiles=1) == 1
+    # the combine weighed: 64 packed rows of a 16-tile (1024-key) cache take √(4·16·64/64)
+    # = 8 splits, where filling the SMs alone takes 16; 4 rows keep 16; one row changes
+    # nothing (its √ is above the tiles)
+    eight = dict(ctas_per_sm=2, balance_waves=True)
+    assert num_splits_heuristic(8, 132, kv_tiles=16, **eight) == 16
+    assert num_splits_heuristic(8, 132, kv_tiles=16, combine_rows=64, **eight) == 8
+    assert num_splits_heuristic(8, 132, kv_tiles=4, combine_rows=64, Bc=16, **eight) == 2
+    assert num_splits_heuristic(8, 132, kv_tiles=16, combine_rows=4, **eight) == 16
+    assert num_splits_heuristic(1, 132, kv_tiles=1000, combine_rows=1) == 125
+    assert num_splits_heuristic(8, 132, kv_tiles=4096, combine_rows=64, **eight) == 32
+    with pytest.raises(ValueError, match="combine_rows"):
+        num_splits_heuristic(8, 132, kv_tiles=16, combine_rows=-1)
     # the choice fills at least 95% of what the best count fills, among the counts that
     # shorten the longest part (the others cost partials and save no time)
     def eligible(t, n):

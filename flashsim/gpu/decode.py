@@ -207,7 +207,8 @@ def _plan(pr: _Problem, num_splits) -> KVCachePlan:
                                       smem_per_sm=smem_per_sm))
         longest = int((pr.seqlens + pr.Nnew).max())
         s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, sms, cdiv(longest, Bc),
-                                 ctas_per_sm=per_sm, balance_waves=True)
+                                 ctas_per_sm=per_sm, balance_waves=True,
+                                 combine_rows=min(Br, M), Bc=Bc)
     else:
         s = check_size("num_splits", num_splits, 1)
         if s > 65535:
