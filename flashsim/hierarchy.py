@@ -136,6 +136,10 @@ EFFICIENCY = {
     # one run at N = 4096 (analysis/out/bench/head_dims_wg32_96.json: 234 and 305 TF/s
     # against 435)
     ("flash2_fwd_wg", 32): 0.374, ("flash2_fwd_wg", 96): 0.486,
+    # its D = 192 instance: 256's 0.596 at d = 192 (0.447 of the instance's peak) by the
+    # two instances' TF/s at d = 192, N = 4096, float16, no mask: 344 (analysis/out/bench/
+    # wg_fwd192.json) over 326 (head_dims.json; another process on the same device)
+    ("flash2_fwd_wg", 192): 0.472,
     # the copy-engine forward at D = 64 and 96 (their own runs at N = 4096: at 64 with three
     # consumers, analysis/out/bench/ws64_c3.json, 380 TF/s; at 96 ws_64_96.json, 408)
     # against that ws at 128

@@ -140,11 +140,12 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
 # D = 32 and 96 (and the backward's 192, whose halves of 96 columns must be whole blocks)
 # lay their tiles in 32-column blocks (the 64-byte swizzle; wgmma.cuh's Cols); the
 # backward's D = 32 takes steps of 128 queries, as 64 (its warpgroups split dQ's queries)
-WG_HEAD_DIMS = (32, 64, 96, 128, 256)
+WG_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 WG_BWD_HEAD_DIMS = (32, 64, 128, 192, 256)
-# (D = 256: 64 keys, S beside O's 128 registers; D = 32 and 64: two CTAs of 64-key tiles
-# per SM; D = 96 as 128: at two CTAs per SM its 128 registers spill)
-WG_BLOCKS = {32: (128, 64), 64: (128, 64), 96: (128, 128), 128: (128, 128), 256: (128, 64)}
+# (D = 192, 256: 64 keys, S beside O's 96 or 128 registers; D = 32 and 64: two CTAs of
+# 64-key tiles per SM; D = 96 as 128: at two CTAs per SM its 128 registers spill)
+WG_BLOCKS = {32: (128, 64), 64: (128, 64), 96: (128, 128), 128: (128, 128), 192: (128, 64),
+             256: (128, 64)}
 WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
@@ -357,7 +358,7 @@ REGISTERS = {
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255, 256: 255},
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 192: 250, 256: 251},
               "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
-              "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 250, 256: 255},
+              "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 250, 192: 207, 256: 255},
               "flash2_bwd_wg": {32: 220, 64: 253, 128: 238, 192: 180, 256: 232},
               "flash2_bwd_wg_det": {32: 220, 64: 252, 128: 236, 192: 176, 256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
               "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},

@@ -2,11 +2,11 @@
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
 //   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, 96, 128,
-//                        256}: head dims d, dv ≤ D, multiples of 8 (the columns past them
-//                        zero-filled by the loads and never stored; so too in the backward
-//                        below), tiles Br × Bc = 128 × 128 (D = 96, 128), 128 × 64 (D = 32,
-//                        64, two CTAs per SM; D = 256, P V as two 64 × 128 products per
-//                        k-step). Over
+//                        192, 256}: head dims d, dv ≤ D, multiples of 8 (the columns past
+//                        them zero-filled by the loads and never stored; so too in the
+//                        backward below), tiles Br × Bc = 128 × 128 (D = 96, 128), 128 × 64
+//                        (D = 32, 64, two CTAs per SM; D = 192, 256, P V as two 64 × D/2
+//                        products per k-step). Over
 //                        flash2_fwd_tc it changes how the
 //                        products run:
 //                        - wgmma.mma_async m64nNk16: a warpgroup (4 warps) issues one
@@ -20,9 +20,10 @@
 //                          it), so no ldmatrix; P stays in registers as the A operand;
 //                        - shared tiles in the swizzle the tensor cores read (wgmma.cuh's
 //                          Cols<D>): column blocks of 64 halves, rows of 128 bytes, 16-byte
-//                          chunk c of row r at c ^ (r & 7) (the 128-byte swizzle); at D = 32
-//                          and 96 blocks of 32 halves, rows of 64 bytes, c ^ ((r >> 1) & 3)
-//                          (the 64-byte one), so that D is whole blocks;
+//                          chunk c of row r at c ^ (r & 7) (the 128-byte swizzle); at D = 32,
+//                          96 and 192 blocks of 32 halves, rows of 64 bytes, c ^ ((r >> 1) & 3)
+//                          (the 64-byte one), so that D (at 192 each half of it) is whole
+//                          blocks;
 //                        - each step issues S_j = Q_i K_jᵀ and O_i += P_{j−1} V_{j−1}
 //                          together and waits for S_j alone: the softmax of tile j runs
 //                          while the tensor cores do the second product;
@@ -56,7 +57,7 @@ namespace wg {
 #define FLASHSIM_WG_MINB 0
 #endif
 constexpr int WARPGROUPS = FLASHSIM_WG_WARPGROUPS, THREADS = 128 * WARPGROUPS, Br = 64 * WARPGROUPS;
-// (D = 256: 64 keys, so that S (32 registers) fits beside O (128))
+// (D = 192, 256: 64 keys, so that S (32 registers) fits beside O (96, 128))
 template <int D> __host__ __device__ constexpr int bc() { return FLASHSIM_WG_BC ? FLASHSIM_WG_BC : (D == 96 || D == 128 ? 128 : 64); }
 template <int D> __host__ __device__ constexpr int min_blocks() { return FLASHSIM_WG_MINB ? FLASHSIM_WG_MINB : (D < 96 ? 2 : 1); }
 
@@ -110,7 +111,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 32 || D == 64 || D == 96 || D == 128 || D == 256, "head dims 32, 64, 96, 128, 256");
+    static_assert(D == 32 || D == 64 || D == 96 || D == 128 || D == 192 || D == 256, "head dims 32, 64, 96, 128, 192, 256");
     using CL = Cols<D>;
     constexpr int Bc = bc<D>();
     extern __shared__ unsigned char smem_raw[];
@@ -179,14 +180,18 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         wgmma_commit();
     };
     // O_i += P V_j from V buffer vb: Bc/16 instructions of 64 × D × 16, one group (D =
-    // 256: two of 64 × 128 × 16 per step, on V's column blocks 0–1 and 2–3, into O's
-    // registers 0–63 and 64–127: the m64n128 layout of each half)
+    // 192, 256: two of 64 × D/2 × 16 per step, on V's column blocks of either half, into
+    // O's registers 0 … D/4 − 1 and D/4 … D/2 − 1: the m64n(D/2) layout of each half, which
+    // wg_store_o reads as one of D columns)
     auto issue_pv = [&](unsigned vb) {
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk) {
-            if constexpr (D == 256) {
-                Wgmma<T, 128>::rs(o, pf[kk], desc(vb + kk * 16 * 128, Bc * 128, 1024));
-                Wgmma<T, 128>::rs(o + 64, pf[kk], desc(vb + 2 * Bc * 128 + kk * 16 * 128, Bc * 128, 1024));
+            if constexpr (D == 192 || D == 256) {
+                constexpr int H = D / 2, HB = H / CL::W;   // a half's columns, column blocks
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    Wgmma<T, H>::rs(o + h * (H / 2), pf[kk], desc(vb + h * HB * (Bc * CL::RB) + kk * 16 * CL::RB,
+                                                                  Bc * CL::RB, CL::SBO, CL::MODE));
             } else {
                 Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE));
             }

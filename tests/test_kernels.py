@@ -46,12 +46,12 @@ def test_every_kernel_compiles_without_spills(arch):
     # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: 4 × 2
     # dtypes × 3 head dims (64, 128, 256) and the softcap/ALiBi and varlen instances of 3 of
     # them, plus the backward's 2 kernels at 192 (plain, softcap/ALiBi, varlen) × 2; wg
-    # (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 dtypes × 5 head dims
-    # (32, 64, 96, 128, 256) and the backward's 2 kernels × 2 × 5 (32, 64, 128, 192, 256); the wg forward
+    # (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 dtypes × 6 head dims
+    # (32, 64, 96, 128, 192, 256) and the backward's 2 kernels × 2 × 5 (32, 64, 128, 192, 256); the wg forward
     # fed by TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and its backward's
     # 2 kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (24 + 36) + 2 * 2 * 3
-                                 + (30 + 60 + 12 + 8 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (36 + 60 + 12 + 8 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -152,7 +152,8 @@ def test_each_rung_picks_its_own_instance_of_a_head_dim():
     assert kernels.instance_dim("tc", 200, 200, backward=True, cc_major=9) == 256
     # the forwards and the pre-pass (rows reduced by shuffles: a power of two) keep 256
     assert kernels.instance_dim("tc", 160, 160) == kernels.pre_instance(160, 160) == 256
-    assert kernels.instance_dim("wg", 160, 160) == 256
+    assert kernels.instance_dim("wg", 160, 160) == 192
+    assert kernels.instance_dim("wg", 200, 128) == 256
     assert kernels.instance_dim("wg", 160, 160, backward=True) == 192   # step_wide
     assert kernels.instance_dim("wg", 32, 24, backward=True) == 32
     assert kernels.instance_dim("wg", 40, 32, backward=True) == 64

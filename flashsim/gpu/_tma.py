@@ -34,8 +34,8 @@ _UINT16, _SWIZZLE_64B, _SWIZZLE_128B, _L2_128B = 1, 2, 3, 2
 def box_cols(D: int) -> int:
     """Columns per box for an instance of head dim D: one column block of the kernels'
     shared layout (wgmma.cuh's Cols<D>), 64 (128 bytes, the 128-byte swizzle) where 64
-    divides D, else 32 (64 bytes, the 64-byte swizzle)."""
-    return 64 if D % 64 == 0 else 32
+    divides D (but 192), else 32 (64 bytes, the 64-byte swizzle)."""
+    return 64 if D % 64 == 0 and D != 192 else 32
 
 
 @functools.lru_cache(maxsize=None)
