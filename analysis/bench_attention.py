@@ -2,7 +2,7 @@
 `flashsim bench` (flashsim/bench.py, where every option is described), writing to
 analysis/out/bench/ by default.
 
-    python3 analysis/bench_attention.py [--quick] [--ds 64,96,128,192,256] [--ns ...] [--dtypes ...]
+    python3 analysis/bench_attention.py [--quick] [--ds 32,64,96,128,160,192,224,256] [--ns ...] [--dtypes ...]
                                         [--causal both|yes|no] [--out DIR] [--json]
 """
 

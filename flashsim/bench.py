@@ -1,6 +1,6 @@
 """Side-by-side GPU timing of attention, forward and backward, in one process.
 
-    flashsim bench [--quick] [--ds 64,96,128,192,256] [--ns 2048,4096] [--dtypes float16] \
+    flashsim bench [--quick] [--ds 32,64,96,128,160,192,224,256] [--ns 2048,4096] [--dtypes float16] \
                    [--causal both|yes|no] [--out bench] [--json]
     python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
 
@@ -34,6 +34,10 @@ import flashsim as fs
 
 TOKENS = 16384
 HIDDEN = 2048
+
+
+# the head dims of the default grid, every multiple of 32 up to 256 (heads = HIDDEN // d)
+DEFAULT_DS = "32,64,96,128,160,192,224,256"
 
 
 def flops(B, H, N, d, causal, backward=False):
@@ -112,8 +116,8 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                     help="keep the shapes already in OUT/bench.json (a run cut short) and "
                          "time only the rest")
     ap.add_argument("--out", default=default_out, help=f"output folder (default: {default_out})")
-    ap.add_argument("--ds", default="64,96,128,192,256",
-                    help="head dims, comma-separated (default: 64,96,128,192,256)")
+    ap.add_argument("--ds", default=DEFAULT_DS,
+                    help=f"head dims, comma-separated (default: {DEFAULT_DS})")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                     help="time with the causal mask, without, or both (default)")
     ap.add_argument("--json", action="store_true",
