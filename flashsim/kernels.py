@@ -363,14 +363,14 @@ REGISTERS = {
               "flash2_bwd_wg_det": {32: 220, 64: 252, 128: 236, 192: 176, 256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
               "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
               "kvcache_append": 32,
-              "splitkv_fwd_tc_m16": {64: 114, 128: 165}, "splitkv_fwd_tc_m32": {64: 145, 128: 197},
-              "splitkv_fwd_tc_m64": {64: 162, 128: 218}},
+              "splitkv_fwd_tc_m16": {64: 113, 128: 167}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
+              "splitkv_fwd_tc_m64": {64: 161, 128: 219}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 22, "flash2_fwd_tc": {64: 241, 128: 190, 256: 254},
               "flash2_bwd_preprocess_tc": 28, "flash2_bwd_tc": {64: 228, 128: 244, 192: 248, 256: 250},
               "flash2_bwd_tc_det": {64: 218, 128: 241, 192: 240, 256: 245}, "kvcache_append": 34,
-              "splitkv_fwd_tc_m16": {64: 109, 128: 158}, "splitkv_fwd_tc_m32": {64: 138, 128: 187},
-              "splitkv_fwd_tc_m64": {64: 155, 128: 212}},
+              "splitkv_fwd_tc_m16": {64: 108, 128: 160}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
+              "splitkv_fwd_tc_m64": {64: 153, 128: 213}},
 }
 
 

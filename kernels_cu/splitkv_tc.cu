@@ -23,8 +23,9 @@
 //                                at the end; Br = 32 and 64 for more packed rows;
 //                              - K/V tiles of Bc = 64 keys in a STAGES-deep cp.async
 //                                pipeline, rows gathered through the block table (page
-//                                ids staged in shared memory, each read once), swizzled
-//                                for ldmatrix;
+//                                ids staged in shared memory, each read once; a tile's
+//                                page offset found once per tile where pages hold whole
+//                                tiles), swizzled for ldmatrix;
 //                              - num_splits = 1 writes O and L directly (flash2); more
 //                                write fp32 partials Osplit, Lsplit, and the last part of
 //                                each Q tile to finish merges them by their log-sum-exp
@@ -85,8 +86,10 @@ struct Pages {
     // element offset of cache row `row`, head offset excluded; -1 for a page id out of
     // range (the launcher checks the table; this keeps a bad one from reading anywhere)
     __device__ __forceinline__ long long row_offset(int row, int row_stride) const {
+        // a contiguous cache: row < Lk ≤ page_rows (the capacity), no division
+        if (!table) return ((long long)seq * page_rows + row) * row_stride;
         const int x = row / page_rows;
-        const int pg = table ? staged[x - base] : seq;
+        const int pg = staged[x - base];
         if (pg < 0 || pg >= num_pages) return -1;
         return ((long long)pg * page_rows + row % page_rows) * row_stride;
     }
@@ -308,6 +311,9 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
         __syncthreads();
     };
 
+    // pages of a multiple of Bc rows (and a contiguous cache whose capacity is one) hold
+    // whole K/V tiles, as tiles start at multiples of Bc
+    const bool one_page = page_rows % Bc == 0;
     // K_j, V_j rows [j·Bc, …) of the sequence into stage `st`; rows past Lk are zeros
     auto load_kv = [&](int j, int st) {
         const int c0 = j * Bc;
@@ -315,6 +321,22 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
         T* k = sK + st * Bc * D;
         T* v = sV + st * Bc * D;
         const int c = tid % CH, r0 = tid / CH;
+        if (one_page) {
+            // the tile's rows are rows c0 … of one page: its offset found once (one
+            // division and one staged id per tile, not one per row), the rows at fixed
+            // steps from it. The loads wait on these addresses at every tile: per row,
+            // they cost GQA's 64-row tiles 12–38% of their time (NOTES.md v29)
+            const long long first = c0 < Lk ? pages.row_offset(c0, (int)row_stride) : -1;
+#pragma unroll
+            for (int it = 0; it < Bc / RPI; ++it) {
+                const int r = r0 + it * RPI;
+                const bool ok = first >= 0 && c0 + r < Lk;
+                const long long off = ok ? first + (long long)r * row_stride + (long long)kvh * D + c * 8 : 0;
+                cp_async16(k + swz<D>(r, c), Kc + off, ok);
+                cp_async16(v + swz<D>(r, c), Vc + off, ok);
+            }
+            return;
+        }
 #pragma unroll
         for (int it = 0; it < Bc / RPI; ++it) {
             const int r = r0 + it * RPI, key = c0 + r;
