@@ -324,8 +324,8 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
         if (one_page) {
             // the tile's rows are rows c0 … of one page: its offset found once (one
             // division and one staged id per tile, not one per row), the rows at fixed
-            // steps from it. The loads wait on these addresses at every tile: per row,
-            // they cost GQA's 64-row tiles 12–38% of their time (NOTES.md v29)
+            // steps from it. The loads wait on these addresses at every tile: found per
+            // row, they made GQA's 64-row tiles take 1.11–1.38× as long (NOTES.md v29)
             const long long first = c0 < Lk ? pages.row_offset(c0, (int)row_stride) : -1;
 #pragma unroll
             for (int it = 0; it < Bc / RPI; ++it) {
