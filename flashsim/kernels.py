@@ -150,12 +150,13 @@ WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 192: (64, 64), 
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
-# address (flashsim/gpu/_tma.py) at d = dv = D ∈ WS_HEAD_DIMS: a producer warpgroup
+# address (flashsim/gpu/_tma.py) at D ∈ WS_HEAD_DIMS (head dims below D too: the copy
+# engine zero-fills the columns past them, NOTES v30): a producer warpgroup
 # beside one consumer warpgroup per 64 query rows of the tile (Br / 64: flash2_ws.cu's
 # consumers<D>), K/V in a ring of WS_STAGES slots, one CTA per SM, tiles WS_BLOCKS
 # (WG_BLOCKS' at 96 and 128; at 64 one CTA of 128 × 64 measured 0.86–0.93× the cp.async
 # kernel's two, 128 × 128 faster, 192 × 128 (three consumers) faster still: NOTES v16,
-# v21, v22). Elsewhere (packed varlen batches, head dims below D, FLASHSIM_TMA=0)
+# v21, v22). Elsewhere (packed varlen batches, FLASHSIM_TMA=0)
 # flash2_fwd_wg runs, with WG_BLOCKS.
 WS_STAGES = 2
 WS_HEAD_DIMS = (64, 96, 128)
@@ -236,14 +237,17 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
 def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
             variant: bool = False) -> bool:
     """The Hopper forward (or ``backward``) of head dims d, dv (instance D) is the one fed
-    by the copy engine (flash2_ws.cu) on inputs whose rows a tensor map addresses: d = dv
-    = D ∈ WS_HEAD_DIMS (WS_BWD_HEAD_DIMS); the forward with softcap or ALiBi
+    by the copy engine (flash2_ws.cu) on inputs whose rows a tensor map addresses: the
+    forward at D ∈ WS_HEAD_DIMS (d, dv ≤ D), the backward at d = dv = D ∈
+    WS_BWD_HEAD_DIMS; the forward with softcap or ALiBi
     (``variant``) only where its tiles are flash2_fwd_wg's, whose softcap/ALiBi instance a
     packed varlen batch's shares, so that a batch and each of its sequences run the same
     arithmetic (bit for bit). The backward's tiles and steps are flash2_bwd_wg's."""
     if backward:
         return d == dv == D and D in WS_BWD_HEAD_DIMS
-    return (d == dv == D and D in WS_HEAD_DIMS
+    # the forward below D: the tensor maps are d (dv) columns wide, and the copy engine
+    # zero-fills the boxes' columns past them (flashsim/gpu/_tma.py)
+    return (D in WS_HEAD_DIMS and max(d, dv) <= D
             and (not variant or WS_BLOCKS[D] == WG_BLOCKS[D]))
 
 

@@ -696,6 +696,47 @@ def test_the_tma_forward_at_other_head_dims(monkeypatch, d):
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d,dv", [(48, 48), (80, 80), (112, 64), (120, 120), (56, 40)])
+def test_the_tma_forward_below_its_instance(monkeypatch, d, dv):
+    """flash2_fwd_ws runs head dims below its instance's D: the tensor maps are d (dv)
+    columns wide, so the copy engine zero-fills each box's columns past them, never
+    reading a neighbouring head's or a row's padding. Every layout check_forward draws
+    (dense, padded rows, (B, N, H, d) memory) against the simulator, with the counted
+    bytes of the tiles block_sizes reports; the PyTorch fast path launches it too, with
+    the same bits."""
+    from flashsim.gpu import flash2
+    calls = []
+    real = flash2._WsForward.__call__
+    monkeypatch.setattr(flash2._WsForward, "__call__",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    D = fs.kernels.instance_dim("wg", d, dv)
+    assert fs.kernels.ws_runs(d, dv, D)
+    rng = np.random.default_rng(d * 3 + dv)
+    rnd = make_precision("kernel", "float16").io_round
+    for salt, causal in ((0, False), (1, True), (2, False)):
+        q = rnd(random_tensor(rng, (2, 4, 203 + salt, d))).astype(np.float64)
+        k = rnd(random_tensor(rng, (2, 2, 317, d))).astype(np.float64)
+        v = rnd(random_tensor(rng, (2, 2, 317, dv))).astype(np.float64)
+        n = len(calls)
+        check_forward(q, k, v, "float16", causal, None, kernel="auto")
+        assert len(calls) == n + 2                       # counted and plain: the copy engine
+        qd, vd = dev(q, "float16"), dev(v, "float16")
+        assert fs.gpu.block_sizes(laid_out(qd), laid_out(vd, 2)) == fs.kernels.WS_BLOCKS[D]
+    if HAVE_TORCH and dv == d:
+        # (B, N, H, d) memory through the fast path, against the general path's bits
+        x = [torch.from_numpy(t.astype(np.float16)).cuda().transpose(1, 2).contiguous()
+             .transpose(1, 2) for t in (q, k, v)]
+        n = len(calls)
+        fast, fast_lse = fs.gpu.attention(*x, causal=True)
+        import cupy as cp
+        gen, gen_lse = fs.gpu.attention(*(cp.asarray(t.astype(np.float16)) for t in (q, k, v)),
+                                        causal=True)
+        assert len(calls) == n + 2
+        assert np.array_equal(host(fast), host(gen)) and np.array_equal(host(fast_lse), host(gen_lse))
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("torch_in", [False, True])
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(100, 30)),
                                 dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125])])

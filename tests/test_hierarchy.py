@@ -347,7 +347,9 @@ def test_grids_threads_and_occupancy():
     assert f.ctas_per_sm == 1 and f.slots == 132
     (w,) = h.launches(make_shape(Nq=4096, Nk=2048, d=128, dv=64, batch_shape=(2, 4)),
                       "float16", H100)
-    assert w.kernel == "flash2_fwd_wg" and w.threads == 256      # dv ≠ d: the cp.async kernel
+    assert w.kernel == "flash2_fwd_ws" and w.threads == 384      # dv < d: its instance, D = 128
+    (w,) = h.launches(make_shape(Nq=4096, Nk=2048, d=160, batch_shape=(2, 4)), "float16", H100)
+    assert w.kernel == "flash2_fwd_wg" and w.threads == 256      # D = 192: the cp.async kernel
     pre, main, post = h.launches(shape, "float16", H100, backward=True)
     # d = dv = 128: the backward fed by the copy engine, flash2_bwd_wg's tiles
     assert (pre.kernel, main.kernel, post.kernel) == (
@@ -362,11 +364,13 @@ def test_grids_threads_and_occupancy():
     assert post.grid == (4096 // 64, 8) and main.reduces == ("dQacc",)
     (a,) = h.launches(make_shape(Nq=512, Nk=512, d=64), "bfloat16", "A100")
     assert a.kernel == "flash2_fwd_tc" and (a.Br, a.Bc) == K.TC_BLOCKS_AMPERE[64]
-    # d = 80 runs the Hopper instance of D = 96 (its columns past 80 zeroed on chip),
-    # whose η counts the useful share of its products; d = 84 (no 16-byte rows) the
-    # reference rung
+    # d = 80 runs the Hopper instance of D = 96 (fed by the copy engine, which zero-fills
+    # the columns past 80), whose η counts the useful share of its products; d = 84 (no
+    # 16-byte rows) the reference rung
     (w,) = h.launches(make_shape(Nq=512, Nk=512, d=80), "float16", H100)
-    assert w.kernel == "flash2_fwd_wg" and (w.Br, w.Bc) == K.WG_BLOCKS[96]
+    assert w.kernel == "flash2_fwd_ws" and (w.Br, w.Bc) == K.WS_BLOCKS[96]
+    assert h.efficiency("flash2_fwd_ws", 80) == pytest.approx(
+        h.EFFICIENCY["flash2_fwd_ws", 96] * 80 / 96)
     assert h.efficiency("flash2_fwd_wg", 80) == pytest.approx(
         h.EFFICIENCY["flash2_fwd_wg", 96] * 80 / 96)
     assert h.efficiency("flash2_fwd_wg", 112) == pytest.approx(

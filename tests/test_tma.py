@@ -26,14 +26,21 @@ def table(q, k, shape):
     return tab, ld
 
 
-def check_exact(tab, ld, got, d, cols=_tma.FORWARD):
+def check_exact(tab, ld, got, d, cols=_tma.FORWARD, widths=None):
+    """crd and geoms address each problem's rows exactly: element (row, col) of problem
+    p at z_p·zs + c_p + row·ld + col, its columns inside the map (w: ld, or the width
+    ``widths[t]`` of a tensor below the instance, whose maps hold only those columns)."""
     crd, geoms = got
     assert crd.shape == (tab.shape[0], 2 * len(cols)) and len(geoms) == len(cols)
     for n, t in enumerate(cols):
-        l, N, Z, zs = geoms[n]
+        w, l, N, Z, zs = geoms[n]
         c, z = crd[:, 2 * n].astype(np.int64), crd[:, 2 * n + 1].astype(np.int64)
         assert l == ld[t] and (z * zs + c == tab[:, t]).all()
-        assert (c >= 0).all() and (c + d <= l).all() and (z < Z).all()
+        assert (c >= 0).all() and (c + d <= w).all() and (z < Z).all()
+        if widths is not None:                     # a map exactly the tensor's columns wide
+            assert w == widths[t] and (c == 0).all()
+        else:
+            assert w == l
         assert l % 8 == 0 and zs % 8 == 0          # TMA strides: multiples of 16 bytes
 
 
@@ -59,7 +66,43 @@ def test_row_tables_decompose_into_tensor_map_coordinates(layout, B, H, Hk):
     got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d)
     assert got is not None
     check_exact(tab, ld, got, d)
-    assert [g[1] for g in got[1]] == [N, N, N]     # rows past N: outside the map
+    assert [g[2] for g in got[1]] == [N, N, N]     # rows past N: outside the map
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "fused", "sliced"])
+@pytest.mark.parametrize("d,dv,D", [(80, 80, 96), (48, 48, 64), (112, 64, 128)])
+def test_head_dims_below_the_instance_get_maps_as_wide_as_the_tensor(layout, d, dv, D):
+    """Below the instance's D the maps are d (dv) columns wide, so that the copy engine
+    zero-fills the boxes' columns past them (the kernels' instance needs zeros there,
+    never the next head's or the next tensor's columns): every problem's offset a
+    multiple of zs, the column coordinate 0."""
+    B, H, Hk, N = 2, 4, 2, 100
+
+    def arr(h, w):
+        if layout == "bhnd":
+            return Strided((B, h, N, w), (h * N * w, N * w, w, 1))
+        if layout == "bnhd":
+            return Strided((B, h, N, w), (N * h * w, w, h * w, 1))
+        if layout == "fused":                      # one of 3 slices of a (B, N, 3, h, w) tensor
+            return Strided((B, h, N, w), (N * 3 * h * w, w, 3 * h * w, 1))
+        return Strided((B, h, N, w), (h * 4 * N * w, 4 * N * w, w, 1))
+
+    q, k, v = arr(H, d), arr(Hk, d), arr(Hk, dv)
+    shape = Shape(N, N, d, dv, (B, H), (B, H), (B, Hk), H // Hk)
+    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (v, "k")}
+    tab = A.host_table(*A.table_key(shape, cols))
+    ld = [0] * A.AT_NUM
+    for t, (a, _) in cols.items():
+        ld[t] = a.strides[-2] // a.itemsize
+    widths = {A.AT_Q: d, A.AT_K: d, A.AT_V: dv}
+    got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d, _tma.FORWARD, D,
+                      {A.AT_V: dv})
+    assert got is not None
+    check_exact(tab, ld, got, 0, widths=widths)
+    # at d = D the maps stay ld columns wide (heads side by side in a row: c_p ≠ 0)
+    full = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d)
+    if dv == d:
+        check_exact(tab, ld, full, d)
 
 
 def test_layouts_tma_cannot_address_are_refused():
@@ -94,5 +137,5 @@ def test_the_backward_maps_dO_beside_Q_K_V():
     got = _tma.layout(tab, ld, N, d, _tma.BACKWARD)
     assert got is not None
     check_exact(tab, ld, got, d, _tma.BACKWARD)
-    assert [g[1] for g in got[1]] == [Nq, Nk, Nk, Nq]
+    assert [g[2] for g in got[1]] == [Nq, Nk, Nk, Nq]
     assert ld[A.AT_dO] == H * d != ld[A.AT_Q]

@@ -11,7 +11,10 @@ column and a problem coordinate of its row 0:
 
 with zs the greatest common divisor of the offsets' row parts. Rows past N of a problem
 lie outside the map, so the copy engine zero-fills a ragged last tile as the accounting
-rules assume. Layouts that do not decompose so (or whose strides TMA cannot take: a
+rules assume. A head dim w below the instance's D (d of Q and K, dv of V) makes the map
+(w, N, Z) instead, every problem's offset a multiple z_p of zs = gcd(at) (c_p = 0): the
+boxes' columns past w lie outside it too, and arrive as zeros, which is what the kernels'
+instance of D needs of them (the cp.async kernels zero them on chip). Layouts that do not decompose so (or whose strides TMA cannot take: a
 multiple of 16 bytes) return None, and the launcher runs flash2_wg.cu's kernels, which
 copy with cp.async. The maps are encoded on the host by the driver's
 cuTensorMapEncodeTiled, through ctypes (CuPy does not wrap it)."""
@@ -53,19 +56,25 @@ FORWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V)                 # flash2_fwd_w
 BACKWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_dO)  # flash2_bwd_ws's
 
 
-def layout(tab: np.ndarray, ld, N: dict, d: int, cols=FORWARD):
+def layout(tab: np.ndarray, ld, N: dict, d: int, cols=FORWARD, D: int | None = None,
+           widths: dict | None = None):
     """(crd, geoms) for the columns ``cols`` (Q, K, V by default) of the host row table
-    ``tab`` (problems × AT_NUM) with row strides ``ld`` and row counts ``N`` (per column):
-    crd the int32 (problems, 2·len(cols)) table (c, z of each column), geoms per column
-    (ld, N, Z, zs) in elements; or None where a tensor does not decompose as above."""
+    ``tab`` (problems × AT_NUM) with row strides ``ld`` and row counts ``N`` (per column),
+    read by an instance of head dim ``D`` (default d) whose tensors hold ``widths[t]``
+    columns (default d): crd the int32 (problems, 2·len(cols)) table (c, z of each
+    column), geoms per column (w, ld, N, Z, zs) in elements, w the map's columns (ld, or
+    the tensor's width where that is below D); or None where a tensor does not decompose
+    as above."""
+    D = d if D is None else D
     crd = np.zeros((tab.shape[0], 2 * len(cols)), np.int32)
     geoms = []
     for n, t in enumerate(cols):
         off, l = tab[:, t], int(ld[t])
+        w = d if widths is None else widths.get(t, d)
         if l % 8:                               # row stride: a multiple of 16 bytes
             return None
-        c = off % l
-        if (c > l - d).any():
+        c = off % l if w == D else np.zeros_like(off)
+        if (c > l - w).any():
             return None
         row = off - c
         zs = int(np.gcd.reduce(row)) or N[t] * l
@@ -75,16 +84,19 @@ def layout(tab: np.ndarray, ld, N: dict, d: int, cols=FORWARD):
         if z.max() >= 1 << 31:
             return None
         crd[:, 2 * n], crd[:, 2 * n + 1] = c, z
-        geoms.append((l, N[t], int(z.max()) + 1, zs))
+        geoms.append((l if w == D else w, l, N[t], int(z.max()) + 1, zs))
     return crd, tuple(geoms)
 
 
 @functools.lru_cache(maxsize=256)
-def plan(table_key: tuple, ld: tuple, N: tuple, d: int, device: int):
+def plan(table_key: tuple, ld: tuple, N: tuple, d: int, device: int, D: int | None = None,
+         widths: tuple = ()):
     """(crd on the device, geoms) for the row table of ``table_key`` (_arrays.table_key),
-    cached, with ``N`` the (column, rows) of each map in order; None where `layout` finds
-    no tensor maps for it."""
-    got = layout(arrays.host_table(*table_key), ld, dict(N), d, tuple(t for t, _ in N))
+    cached, with ``N`` the (column, rows) of each map in order, an instance of head dim
+    ``D`` (default d) and ``widths`` the (column, width) pairs that differ from d; None
+    where `layout` finds no tensor maps for it."""
+    got = layout(arrays.host_table(*table_key), ld, dict(N), d, tuple(t for t, _ in N), D,
+                 dict(widths))
     if got is None:
         return None
     crd, geoms = got
@@ -94,14 +106,14 @@ def plan(table_key: tuple, ld: tuple, N: tuple, d: int, device: int):
 @functools.lru_cache(maxsize=1024)
 def tensor_map(ptr: int, geom: tuple, box_rows: int, cols: int = 64) -> bytes | None:
     """The 128-byte CUtensorMap of a tensor at ``ptr`` (16-byte aligned) with this
-    geometry (ld, N, Z, zs), boxes of ``cols`` columns × box_rows rows, in the swizzle of
-    that width (64: 128 bytes, 32: 64 bytes); None where the driver refuses it."""
-    ld, N, Z, zs = geom
+    geometry (w, ld, N, Z, zs), boxes of ``cols`` columns × box_rows rows, in the swizzle
+    of that width (64: 128 bytes, 32: 64 bytes); None where the driver refuses it."""
+    w, ld, N, Z, zs = geom
     if ptr % 16:
         return None
     raw = ctypes.create_string_buffer(128 + 64)          # CUtensorMap is 64-byte aligned
     addr = (ctypes.addressof(raw) + 63) & ~63
-    dims = (ctypes.c_uint64 * 3)(ld, N, Z)
+    dims = (ctypes.c_uint64 * 3)(w, N, Z)
     strides = (ctypes.c_uint64 * 2)(ld * 2, zs * 2)       # bytes, of dims 1 and 2
     box = (ctypes.c_uint32 * 3)(cols, box_rows, 1)
     step = (ctypes.c_uint32 * 3)(1, 1, 1)

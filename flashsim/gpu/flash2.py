@@ -211,8 +211,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
 
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
     float16/bfloat16, d and dv multiples of 8 up to 256, run by the smallest instance
-    D ∈ fs.kernels.WG_HEAD_DIMS above them; at d = dv ∈ fs.kernels.WS_HEAD_DIMS fed by
-    the copy engine, with its own tiles, fs.kernels.WS_BLOCKS), "tc" the tensor-core
+    D ∈ fs.kernels.WG_HEAD_DIMS above them; at D ∈ fs.kernels.WS_HEAD_DIMS fed by the
+    copy engine, with its own tiles, fs.kernels.WS_BLOCKS), "tc" the tensor-core
     kernel (mma.sync, Ampere and later; float16/bfloat16, d and dv as for "wg",
     instances fs.kernels.TC_HEAD_DIMS), "ref" the reference kernel (any dtype, d,
     dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref" that
@@ -290,7 +290,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
         k_in, k_out, sl = _fast_variants(cp, scale, softcap, slopes)
         ws(cp.cuda.get_current_stream().ptr, dev.pointer(qi.arr), dev.pointer(ki.arr),
            dev.pointer(vi.arr), at.data.ptr, dev.pointer(O), dev.pointer(L),
-           tail=(Nq, shape.Nk, int(ld[arrays.AT_O]), left, right, scale * LOG2E, float(k_in),
+           tail=(Nq, shape.Nk, int(ld[arrays.AT_O]), shape.d, shape.dv, left, right,
+                 scale * LOG2E, float(k_in),
                  float(k_out), 0 if isinstance(sl, np.uint64) else sl.data.ptr, io.data.ptr))
     elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, d, dv, ld…,
         # band, scale); head dims below D in the VAR instance
@@ -587,15 +588,15 @@ class _TmaLaunch:
 class _WsForward(_TmaLaunch):
     """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides."""
 
-    # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, left, right | scale·log2e, k_in, k_out
-    # | slopes, io
+    # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, d, dv, left, right | scale·log2e, k_in,
+    # k_out | slopes, io
     def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int, D: int):
         super().__init__(kernel, "flash2_fwd_ws", grid, K.ws_threads(D), smem, geoms,
-                         (Br, Bc, Bc), D, "QQQQiiiiifffQQ", crd)
+                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQ", crd)
         self.args[0].value = crd.data.ptr
 
-    def set_tail(self, Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io):
-        self.set((Nq, Nk, ldo, left, right, scale_log2, k_in, k_out, slopes, io), 4)
+    def set_tail(self, Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io):
+        self.set((Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io), 4)
 
     def __call__(self, stream: int, q: int, k: int, v: int, at: int, O: int, L: int,
                  tail=None):
@@ -650,25 +651,27 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     """The launcher of flash2_fwd_ws (the wg forward fed by TMA) for these arrays, or None
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
-    d = shape.d
-    tiles = _ws_tiles(shape, d, var=var)
+    d, dv = shape.d, shape.dv
+    D = _instance(shape, "wg")
+    tiles = _ws_tiles(shape, D, var=var)
     if tiles is None:
         return None
     Br, Bc = tiles
     three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
+    # head dims below D: maps d (dv) columns wide, whose boxes' last columns are zeros
     got = _tma.plan(arrays.table_key(shape, three), tuple(int(x) for x in ld),
                     ((arrays.AT_Q, shape.Nq), (arrays.AT_K, shape.Nk), (arrays.AT_V, shape.Nk)),
-                    d, cp.cuda.Device().id)
+                    d, cp.cuda.Device().id, D, ((arrays.AT_V, dv),) if dv != d else ())
     if got is None:
         return None
     crd, geoms = got
-    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, (Br, Bc, Bc), d) is None:
+    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, (Br, Bc, Bc), D) is None:
         return None
     name = "flash2_fwd_ws"
-    smem = K.smem_bytes(name, Br, Bc, d, d, dtype)
-    return _WsForward(dev.kernel(name, dtype, count_io, d, var),
+    smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
+    return _WsForward(dev.kernel(name, dtype, count_io, D, var),
                       K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems), smem, crd,
-                      geoms, Br, Bc, d)
+                      geoms, Br, Bc, D)
 
 
 class _Plan:
@@ -771,7 +774,7 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
                              {A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"),
                               A.AT_V: (views[2], "k")}, ld)
         if ws is not None:
-            ws.set_tail(Nq, Nk, int(ld[A.AT_O]), plan.left, plan.right,
+            ws.set_tail(Nq, Nk, int(ld[A.AT_O]), d, d, plan.left, plan.right,
                         plan.scale * LOG2E, 0.0, 0.0, 0, plan.io)
             plan.fwd = ws
         elif name == "flash2_fwd_wg" and _ws_tiles(shape, D) not in (None, (Br, Bc)):
