@@ -484,7 +484,9 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
 
 # -- the common case without the general path's Python: PyTorch (B, H, N, d) tensors ----
 
-_PLANS: dict = {}        # (shapes, strides, dtype, causal, scale, device, kernel) -> plan
+_PLANS: dict = {}        # (shapes, strides, dtypes, devices, causal, scale, kernel) -> plan
+_BWD_PLANS: dict = {}    # (_PLANS' key, kernel, out/lse/dout shapes, strides, …) -> (plan,
+                         # its backward's launchers), or False
 
 
 def _torch_forward(q, k, v, causal, scale, kernel="auto"):
@@ -496,8 +498,6 @@ def _torch_forward(q, k, v, causal, scale, kernel="auto"):
     strides. The general path costs ~0.1 ms of Python per call, a third of the kernel's
     time at N = 1k. Returns None for anything else (the general path then checks and
     runs it)."""
-    if not _fast_inputs(q, k, v, causal, scale):
-        return None
     plan = _torch_forward_plan(q, k, v, causal, scale, kernel)
     if plan is None:
         return None
@@ -527,12 +527,17 @@ class _Launcher:
         # past 48 KB of shared memory (dynamic and the kernel's static) a CTA opts in
         if smem + getattr(kernel, "shared_size_bytes", 0) > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = smem
+        # one parameter buffer, packed in place per call (the driver copies it at the
+        # launch), and the launch's `extra` array pointing at it, made once
+        self.buf = ctypes.create_string_buffer(self.fmt.size)
+        self.extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self.buf), 2,
+                                           ctypes.addressof(self.size), 0)
+        self.extra_ptr = ctypes.addressof(self.extra)
 
     def __call__(self, stream: int, *pointers):
-        buf = ctypes.create_string_buffer(self.fmt.pack(*pointers, *self.tail), self.fmt.size)
-        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(self.size), 0)
+        self.fmt.pack_into(self.buf, 0, *pointers, *self.tail)
         self.launch(self.fptr, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem,
-                    stream, 0, ctypes.addressof(extra))
+                    stream, 0, self.extra_ptr)
 
 
 class _TmaLaunch:
@@ -555,6 +560,7 @@ class _TmaLaunch:
             kernel.max_dynamic_shared_size_bytes = smem
         self.name, self.grid, self.threads, self.smem = name, grid, threads, smem
         self.geoms, self.rows, self.D = geoms, tuple(rows), D
+        self.ptrs = None         # the addresses the maps in self.maps were encoded for
         self.launch = dev.cupy().cuda.driver.launchKernel
         # one C object per parameter, rewritten in place per call
         self.maps = [ctypes.create_string_buffer(128) for _ in geoms]
@@ -572,14 +578,16 @@ class _TmaLaunch:
         leading other parameters set to ``values`` (the rest as last set)."""
         if 0 in self.grid:
             return
-        dev.check_grid(self.grid)
-        maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
-        if maps is None:
-            raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
-                               f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
-                               "flash2_wg.cu's kernel instead")
-        for buf, m in zip(self.maps, maps):
-            ctypes.memmove(buf, m, 128)
+        if tensors != self.ptrs:    # the same addresses (a training loop's): the same maps
+            dev.check_grid(self.grid)
+            maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
+            if maps is None:
+                raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
+                                   f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
+                                   "flash2_wg.cu's kernel instead")
+            for buf, m in zip(self.maps, maps):
+                ctypes.memmove(buf, m, 128)
+            self.ptrs = tuple(tensors)
         self.set(values)
         self.launch(self.fptr, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem,
                     stream, ctypes.addressof(self.params), 0)
@@ -692,21 +700,40 @@ def _fast_inputs(q, k, v, causal, scale) -> bool:
 
 
 def _plan_key(q, k, v, causal, scale, kernel):
-    return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.stride(), k.stride(), v.stride(),
-            q.dtype, causal, scale, q.device.index, kernel, os.environ.get("FLASHSIM_TMA"))
+    """The fast paths' cache key: all that their checks (_fast_inputs) and plans read of
+    the inputs, so that a key seen before needs no check again; None where q, k, v are
+    not PyTorch tensors of one type, or causal is not a bool, or scale neither None nor
+    a Python number (the general path takes those)."""
+    tq = type(q)
+    if (tq.__module__ != "torch" or type(k) is not tq or type(v) is not tq
+            or type(causal) is not bool or not (scale is None or type(scale) in (float, int))):
+        return None
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, causal, scale, kernel,
+            os.environ.get("FLASHSIM_TMA"))
+
+
+def _cached_forward_plan(key, q, k, v, causal, scale, kernel):
+    """The plan cached under ``key``, made (or False: the fast path declines these
+    inputs) on first sight."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = (_fast_inputs(q, k, v, causal, scale)
+                and _plan_torch_forward(q, k, v, causal, scale, kernel))
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _torch_forward_plan(q, k, v, causal, scale, kernel="auto"):
     """The cached launch plan for these tensors and forward ``kernel`` ("auto", "tc" or
-    "wg"), or None where the fast path does not apply (the caller has checked the
-    types)."""
+    "wg"), or None where the fast path does not apply: the inputs' shapes, strides,
+    dtypes, devices checked once per key, the addresses' 16-byte alignment per call."""
     key = _plan_key(q, k, v, causal, scale, kernel)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan_torch_forward(q, k, v, causal, scale, kernel)
-        if len(_PLANS) > 1024:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    if key is None:
+        return None
+    plan = _cached_forward_plan(key, q, k, v, causal, scale, kernel)
     if plan is False or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         return None
     return plan
@@ -798,28 +825,42 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
     GQA (whose dK, dV group sums the general path does), unordered dQ atomics; out and
     dout in any layout the kernels read, dq, dk, dv as `torch.empty_like` of q, k, v.
     Returns None for anything else."""
-    if not _fast_inputs(q, k, v, causal, scale):
-        return None
     import torch
-    if (any(type(x) is not type(q) for x in (out, lse, dout))
-            or k.shape[:2] != q.shape[:2] or out.shape != q.shape
-            or dout.shape != q.shape or out.dtype != q.dtype or dout.dtype != q.dtype
-            or lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:-1])
-            or not lse.is_contiguous() or out.stride(-1) != 1 or dout.stride(-1) != 1
-            or not all(x.is_cuda and x.device == q.device for x in (out, lse, dout))
-            or any(x.data_ptr() % 16 for x in (out, dout))):
+    key = _plan_key(q, k, v, causal, scale, "tc")
+    tq = type(q)
+    if key is None or type(out) is not tq or type(lse) is not tq or type(dout) is not tq:
         return None
-    # the forward plan's shapes, dtype and row table; its tc forward lives in the module
-    # the backward loads anyway (an "auto" plan would build the Hopper forward for nothing)
-    plan = _torch_forward_plan(q, k, v, causal, scale, "tc")
-    if plan is None:
-        return None
-    key = (kernel, out.stride(), dout.stride())
-    bwd = plan.bwd.get(key)
-    if bwd is None:
-        bwd = plan.bwd[key] = _plan_torch_backward(plan, q, k, v, out, dout, kernel)
-    if bwd is False:      # tiles too large here, or strides it cannot read: the general path
-        return None
+    # the checks below, once per shapes, strides, dtypes and devices (as the forward's)
+    bkey = (key, kernel, out.shape, out.stride(), out.dtype, out.device, lse.shape,
+            lse.stride(), lse.dtype, lse.device, dout.shape, dout.stride(), dout.dtype,
+            dout.device)
+    got = _BWD_PLANS.get(bkey)
+    if got is None:
+        got = False
+        if not (k.shape[:2] != q.shape[:2] or out.shape != q.shape
+                or dout.shape != q.shape or out.dtype != q.dtype or dout.dtype != q.dtype
+                or lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:-1])
+                or not lse.is_contiguous() or out.stride(-1) != 1 or dout.stride(-1) != 1
+                or not all(x.is_cuda and x.device == q.device for x in (out, lse, dout))):
+            # the forward plan's shapes, dtype and row table; its tc forward lives in the
+            # module the backward loads anyway (an "auto" plan would build the Hopper
+            # forward for nothing)
+            plan = _cached_forward_plan(key, q, k, v, causal, scale, "tc")
+            if plan is not False:
+                pkey = (kernel, out.stride(), dout.stride())
+                bwd = plan.bwd.get(pkey)
+                if bwd is None:
+                    bwd = plan.bwd[pkey] = _plan_torch_backward(plan, q, k, v, out, dout,
+                                                                kernel)
+                # False: tiles too large here, or strides it cannot read
+                got = bwd and (plan, bwd)
+        if len(_BWD_PLANS) > 1024:
+            _BWD_PLANS.clear()
+        _BWD_PLANS[bkey] = got
+    if got is False or (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()
+                        | dout.data_ptr()) % 16:
+        return None                                  # the general path
+    plan, bwd = got
     B, H, Nq, d = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     D, dQacc = torch.empty((B * H, Nq), **f32), torch.empty((B * H, Nq, d), **f32)
