@@ -307,3 +307,24 @@ def test_decode_time(tmp_path):
         assert int(r["bytes"]) >= int(r["kv_cache_bytes"])
         assert float(r["predicted_s"]) >= float(r["floor_s"])
     assert code == (0 if has_matplotlib() else 2)
+
+
+def test_head_dims_table_rebuilds_from_the_committed_benchmark(tmp_path):
+    """analysis/head_dims.py turns the committed head_dims.json into the committed
+    head_dims.md, and its ratios are the rows' TFLOP/s divided (ours over SDPA's)."""
+    mod = load("head_dims")
+    src = ANALYSIS / "out" / "bench" / "head_dims.json"
+    out = tmp_path / "head_dims.md"
+    assert mod.main([str(src), "--out", str(out)]) == 0
+    assert out.read_text() == (ANALYSIS / "out" / "bench" / "head_dims.md").read_text()
+    rows = json.load(open(src))["rows"]
+    cells = mod.ratios(rows)
+    ours = next(r for r in rows if r["impl"] == "flashsim-auto")
+    flash = next(r for r in rows if r["impl"] == "sdpa-flash" and all(
+        r[k] == ours[k] for k in ("dtype", "d", "N", "causal")))
+    key = (ours["dtype"], ours["d"], ours["N"], ours["causal"])
+    assert cells[key]["fwd"]["sdpa-flash"] == pytest.approx(ours["fwd_tflops"] / flash["fwd_tflops"])
+    assert cells[key]["bwd"]["sdpa-flash"] == pytest.approx(ours["bwd_tflops"] / flash["bwd_tflops"])
+    # every head dim of the grid has its summary row
+    ds = sorted({r["d"] for r in rows})
+    assert all(f"\n| {d} | " in out.read_text() for d in ds)
