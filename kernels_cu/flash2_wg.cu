@@ -280,7 +280,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i
     T* Oi = O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo;
-    wg_store_o<T, D>(o, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, tig, rows, dv);
+    wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
 #else
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();

@@ -54,11 +54,6 @@ using namespace wg;
 #ifndef FLASHSIM_WS_STAGES
 #define FLASHSIM_WS_STAGES 2
 #endif
-// the forward's O through shared memory in 16-byte stores (store_o); 0: straight from
-// the accumulators in 4-byte ones (wg_store_o, flash2_fwd_wg's)
-#ifndef FLASHSIM_WS_EPILOGUE
-#define FLASHSIM_WS_EPILOGUE 1
-#endif
 // consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
 // two products are short beside its softmax and a third one's work fills the tensor cores
 // while two wait on their softmax chains; two at 96 and 128, whose registers (O's D/2
@@ -86,47 +81,6 @@ template <int D> __host__ __device__ constexpr int launch_regs() { return (65536
 constexpr int PRODUCER_REGS = 24;
 template <int D> __host__ __device__ constexpr int consumer_regs() {
     return ((launch_regs<D>() * (1 + consumers<D>()) - PRODUCER_REGS) / consumers<D>()) & ~7;
-}
-
-// The forward's epilogue through shared memory: a warp's 16 rows of O_i, divided by ℓ and
-// rounded to T, go into the same rows of the Q tile (the warpgroup's own rows, which its
-// S products alone read, and the last of those is done) in its swizzled column blocks,
-// then to HBM 16 bytes per thread per store: a warp's store covers whole rows (two at D =
-// 128), where the accumulators' layout gives 4-byte stores of 8 rows × 16 bytes each,
-// half of each 32-byte sector (NOTES v30). Columns past dv and rows past `rows` are not
-// stored; L_i as wg_store_o writes it. Oi and ldo·sizeof(T) are 16-byte aligned.
-template <typename T, int D, int Br>
-__device__ __forceinline__ void store_o(const float* o, unsigned sQ, T* Oi, int ldo, float* Li,
-                                        float l0, float l1, float m0, float m1, int r0, int lane,
-                                        int tig, int rows, int dv) {
-    using CL = wg::Cols<D>;
-    quad_sum(l0, l1);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const int r1 = r0 + 8;
-    // the accumulators' columns t·8 + 2·tig, +1 of rows r0, r1: chunk t of the row
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
-        wg::st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
-                          pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
-        wg::st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
-                          pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
-    }
-    __syncwarp();
-    constexpr int CH = D / 8;                        // 16-byte chunks per row
-    const int row0 = r0 - (lane >> 2);               // the warp's first row in the tile
-#pragma unroll
-    for (int x = lane; x < 16 * CH; x += 32) {
-        const int r = row0 + x / CH, ch = x % CH;
-        const unsigned c = ch % (CL::W / 8);
-        const uint4 v = wg::ld_shared_v4(sQ + (ch / (CL::W / 8)) * (Br * CL::RB) + r * CL::RB + ((c ^ CL::swz(r)) << 4));
-        if (r < rows && ch * 8 < dv) *reinterpret_cast<uint4*>(Oi + (long long)r * ldo + ch * 8) = v;
-    }
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
-    }
 }
 
 }  // namespace ws
@@ -327,10 +281,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 
     // finish: reduce ℓ over the quad, divide once, write O_i and L_i
     T* Oi = O + at_row0(at, p, AT_O) + i0 * (long long)ldo;
-    if (FLASHSIM_WS_EPILOGUE && ((reinterpret_cast<unsigned long long>(Oi) | (unsigned)ldo * sizeof(T)) & 15) == 0)
-        store_o<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
-    else                                             // rows not 16-byte aligned: 4-byte stores
-        wg_store_o<T, D>(o, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, tig, rows, dv);
+    wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
 #else
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();

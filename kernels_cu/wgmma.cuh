@@ -282,6 +282,19 @@ __device__ __forceinline__ void wg_pack_p(const float* s, unsigned (*pf)[4]) {
     }
 }
 
+#ifndef FLASHSIM_O_SMEM
+#define FLASHSIM_O_SMEM 1
+#endif
+// plain shared-memory accesses at 32-bit shared addresses (the epilogues)
+__device__ __forceinline__ void st_shared_b32(unsigned addr, unsigned v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
 // The forwards' epilogue: ℓ reduced over the quad, O_i's rows r0, r0 + 8 (of `rows`) divided
 // once and written (dv of the instance's D columns, rows ldo apart), and L_i (natural log)
 template <typename T, int D>
@@ -299,6 +312,54 @@ __device__ __forceinline__ void wg_store_o(const float* o, T* Oi, int ldo, float
             *reinterpret_cast<unsigned*>(Oi + (long long)r0 * ldo + c) = pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0);
         if (r1 < rows)
             *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
+    }
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
+}
+
+// The forwards' epilogue through shared memory: a warp's 16 rows of O_i, divided by ℓ and
+// rounded to T, go into the same rows of the Q tile at sQ (Br rows in Cols<D>'s swizzled
+// column blocks; the warpgroup's own rows, which its S products alone read, and the last
+// of those is done) and then to HBM 16 bytes per thread per store: a warp's store covers
+// whole rows (two at D = 128), where the accumulators' layout gives 4-byte stores of 8
+// rows × 16 bytes each, half of each 32-byte sector (NOTES v30). Columns past dv and rows
+// past `rows` are not stored; L_i as wg_store_o writes it. D = 32 (rows of 64 bytes, two
+// CTAs per SM) measured 0–3% slower this way and keeps wg_store_o, as do rows whose
+// address or stride is not 16-byte aligned, and FLASHSIM_O_SMEM=0 (for A/B).
+template <typename T, int D, int Br>
+__device__ __forceinline__ void wg_store_o16(const float* o, unsigned sQ, T* Oi, int ldo, float* Li,
+                                             float l0, float l1, float m0, float m1, int r0,
+                                             int lane, int tig, int rows, int dv) {
+    if (!FLASHSIM_O_SMEM || D < 64
+        || ((reinterpret_cast<unsigned long long>(Oi) | (unsigned)ldo * sizeof(T)) & 15)) {
+        wg_store_o<T, D>(o, Oi, ldo, Li, l0, l1, m0, m1, r0, tig, rows, dv);   // 4-byte stores
+        return;
+    }
+    using CL = Cols<D>;
+    quad_sum(l0, l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r1 = r0 + 8;
+    // the accumulators' columns t·8 + 2·tig, +1 of rows r0, r1: chunk t of the row
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
+        st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
+                      pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
+        st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
+                      pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
+    }
+    __syncwarp();
+    constexpr int CH = D / 8;                        // 16-byte chunks per row
+    const int row0 = r0 - (lane >> 2);               // the warp's first row in the tile
+#pragma unroll
+    for (int x = lane; x < 16 * CH; x += 32) {
+        const int r = row0 + x / CH, ch = x % CH;
+        const unsigned c = ch % (CL::W / 8);
+        const uint4 v = ld_shared_v4(sQ + (ch / (CL::W / 8)) * (Br * CL::RB) + r * CL::RB + ((c ^ CL::swz(r)) << 4));
+        if (r < rows && ch * 8 < dv) *reinterpret_cast<uint4*>(Oi + (long long)r * ldo + ch * 8) = v;
     }
     if (tig == 0) {
         constexpr float LN2 = 0.6931471805599453f;
@@ -356,16 +417,6 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
 }
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
-}
-// plain shared-memory accesses at 32-bit shared addresses (the epilogues)
-__device__ __forceinline__ void st_shared_b32(unsigned addr, unsigned v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-    return v;
 }
 // a barrier among `threads` threads of the CTA (id 0 is __syncthreads')
 __device__ __forceinline__ void named_sync(int id, int threads) {
