@@ -163,8 +163,8 @@ WS_HEAD_DIMS = (64, 96, 128)
 WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
-# and dO_i in a ring of WS_STAGES slots, dQ added by bulk reduce-adds, at d = dv = D ∈
-# WS_BWD_HEAD_DIMS (at 64 the step's ~253 registers do not fit the 240 a consumer gets
+# and dO_i in a ring of WS_STAGES slots, dQ added by bulk reduce-adds, at D ∈
+# WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253 registers do not fit the 240 a consumer gets
 # beside a producer: it spills 212 bytes)
 WS_BWD_HEAD_DIMS = (128,)
 WS_BWD_THREADS = 384
@@ -238,15 +238,15 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
             variant: bool = False) -> bool:
     """The Hopper forward (or ``backward``) of head dims d, dv (instance D) is the one fed
     by the copy engine (flash2_ws.cu) on inputs whose rows a tensor map addresses: the
-    forward at D ∈ WS_HEAD_DIMS (d, dv ≤ D), the backward at d = dv = D ∈
-    WS_BWD_HEAD_DIMS; the forward with softcap or ALiBi
+    forward at D ∈ WS_HEAD_DIMS, the backward at D ∈ WS_BWD_HEAD_DIMS (d, dv ≤ D); the
+    forward with softcap or ALiBi
     (``variant``) only where its tiles are flash2_fwd_wg's, whose softcap/ALiBi instance a
     packed varlen batch's shares, so that a batch and each of its sequences run the same
     arithmetic (bit for bit). The backward's tiles and steps are flash2_bwd_wg's."""
+    # below D the tensor maps are d (dv) columns wide, and the copy engine zero-fills the
+    # boxes' columns past them (flashsim/gpu/_tma.py)
     if backward:
-        return d == dv == D and D in WS_BWD_HEAD_DIMS
-    # the forward below D: the tensor maps are d (dv) columns wide, and the copy engine
-    # zero-fills the boxes' columns past them (flashsim/gpu/_tma.py)
+        return D in WS_BWD_HEAD_DIMS and max(d, dv) <= D
     return (D in WS_HEAD_DIMS and max(d, dv) <= D
             and (not variant or WS_BLOCKS[D] == WG_BLOCKS[D]))
 

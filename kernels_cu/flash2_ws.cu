@@ -1,7 +1,9 @@
 // flash2_ws.cu: the Hopper kernels fed by the copy engine, with specialised warps.
 //
-//   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d = dv
-//                        = D): the schedule, visited tiles and so the traffic of
+//   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
+//                        ≤ D: the tensor maps are d (dv) columns wide, so the copy engine
+//                        zero-fills the columns past them): the schedule, visited tiles
+//                        and so the traffic of
 //                        flash2_fwd_wg with tiles of 128 × 128 at D = 96 and 128 (its
 //                        own) and 192 × 128 at D = 64 (the cp.async kernel takes 128 × 64
 //                        there, two CTAs per SM: NOTES v16, v21, v22), its shared layout
@@ -32,7 +34,8 @@
 //                        packed varlen batch has no such bound per sequence and runs on
 //                        flash2_fwd_wg.
 //   flash2_bwd_ws<T, D, VAR>, flash2_bwd_ws_det<T, D, VAR>  the backward main loop,
-//                        D = 128 (d = dv = D): flash2_bwd_wg's tiles and steps with a
+//                        D = 128 (d, dv ≤ D: the columns past them arrive zero-filled, as
+//                        in the forward): flash2_bwd_wg's tiles and steps with a
 //                        producer warpgroup that loads by TMA and adds dQ by bulk
 //                        reduce-adds (below; NOTES v23).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
@@ -318,8 +321,8 @@ __device__ __forceinline__ void
 bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* tmV,
        const wg::TensorMap* tmdO, const int* __restrict__ crd, const long long* __restrict__ at,
        const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc,
-       T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int left,
-       int right, float scale, float k_in, float k_out, const float* __restrict__ slopes,
+       T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv,
+       int left, int right, float scale, float k_in, float k_out, const float* __restrict__ slopes,
        int* __restrict__ sem, unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
@@ -358,9 +361,9 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     int ilo, ihi;                                    // visited Q tiles, in units of BrB rows
     band.q_range(j0, j0 + cols, nq, BrB, &ilo, &ihi);
     // the traffic, counted once before the roles part, as flash2_bwd_wg's after its loop
-    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, D, D);
-    COUNT_IO(io, IO_dK_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
-    COUNT_IO(io, IO_dV_W, (long long)cols * D * sizeof(T));       // SRAM→HBM: dV_j (Bc·dv)
+    if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
+    COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));      // SRAM→HBM: dV_j (Bc·dv)
     if (threadIdx.x == 0) {
         mbar_init(bKV, 1);
         for (int s = 0; s < STAGES; ++s) {
@@ -413,14 +416,15 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
             }
         } else if (warp == 2 && !DET) {
             // dQacc_i += dQ_i: a bulk reduce-add (the copy engine's, in L2) per row of the
-            // step's shared dQ_i, rows past Nq left out, once both warpgroups stored theirs
+            // step's shared dQ_i (its first d columns: dQacc's rows are d wide), rows past
+            // Nq left out, once both warpgroups stored theirs
             for (int i = ilo; i <= ihi; ++i) {
                 const int n = i - ilo, i0 = i * BrB, rows = min(BrB, nq - i0);
                 const long long q_row = (long long)p * Nq + i0;
                 mbar_wait(dQfull, n & 1);
                 for (int r = lane; r < rows; r += 32)
                     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                                 :: "l"(dQacc + (q_row + r) * D), "r"(smem_addr(sdQ + r * SDQ_LD)), "n"(D * 4)
+                                 :: "l"(dQacc + (q_row + r) * d), "r"(smem_addr(sdQ + r * SDQ_LD)), "r"(d * 4)
                                  : "memory");
                 asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                 asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // sdQ is read
@@ -475,14 +479,14 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
         mbar_wait(full(s), (n / STAGES) & 1);
         wgb::step<T, D, VAR, 1, 1, DET ? 0 : SDQ_LD>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
                                    sdS + (n & 1) * TILE_dS, sL + s * BrB, sD + s * BrB, dv_acc, dk_acc,
-                                   scale, k_in, k_out, dQacc, D, slope,
+                                   scale, k_in, k_out, dQacc, d, slope,
                                    [&] { mbar_arrive(empty(s)); }, wait, pass, sdQ);
     }
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     wgb::store_dkv<T, D, 1>(tile, dk_acc, dv_acc,
                             dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + j0 * (long long)lddk,
                             dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + j0 * (long long)lddv,
-                            lddk, lddv, D, D, scale);
+                            lddk, lddv, d, dv, scale);
 #else
     __trap();
 #endif
@@ -493,11 +497,11 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmdO,      \
     const int* __restrict__ crd, const long long* __restrict__ at, const float* __restrict__ L, \
     const float* __restrict__ Dv, float* __restrict__ dQacc, T* __restrict__ dK,               \
-    T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int left, int right, float scale,  \
-    float k_in, float k_out, const float* __restrict__ slopes, int* __restrict__ sem,          \
-    unsigned long long* io
+    T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv, int left, int right, \
+    float scale, float k_in, float k_out, const float* __restrict__ slopes,                    \
+    int* __restrict__ sem, unsigned long long* io
 #define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, lddk, \
-    lddv, left, right, scale, k_in, k_out, slopes, sem, io
+    lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io
 
 // dQ by bulk reduce-adds from shared memory, in no fixed order (sem is not read; pass a
 // null pointer)

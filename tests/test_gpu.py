@@ -737,6 +737,33 @@ def test_the_tma_forward_below_its_instance(monkeypatch, d, dv):
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d,dv,det", [(96, 96, False), (112, 64, True), (120, 120, False),
+                                      (72, 128, False)])
+def test_the_tma_backward_below_its_instance(monkeypatch, d, dv, det):
+    """flash2_bwd_ws (D = 128) runs head dims below D, its maps d (V and dO: dv) columns
+    wide: gradients by FlashAttention's 3× rule against the simulator, the counted bytes
+    the simulator's for the tiles block_sizes reports, dQ added from d columns of each
+    row (bulk reduce-adds) or in turns (deterministic), in every layout check_backward
+    draws."""
+    from flashsim.gpu import flash2
+    calls = []
+    real = flash2._TmaLaunch.__call__
+    monkeypatch.setattr(flash2._TmaLaunch, "__call__",
+                        lambda self, *a, **k: (calls.append(self.name), real(self, *a, **k))[1])
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    assert fs.kernels.ws_runs(d, dv, 128, backward=True)
+    rng = np.random.default_rng(d + dv)
+    rnd = make_precision("kernel", "float16").io_round
+    for causal in (False, True):
+        q = rnd(random_tensor(rng, (2, 4, 203, d))).astype(np.float64)
+        k = rnd(random_tensor(rng, (2, 2, 317, d))).astype(np.float64)
+        v = rnd(random_tensor(rng, (2, 2, 317, dv))).astype(np.float64)
+        check_backward(q, k, v, "float16", causal, None, kernel="auto", deterministic=det)
+    name = "flash2_bwd_ws_det" if det else "flash2_bwd_ws"
+    assert calls.count(name) >= 2, calls                 # both masks
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("torch_in", [False, True])
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(100, 30)),
                                 dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125])])

@@ -191,7 +191,8 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     # the backward fed by TMA at d = 128 (softcap/ALiBi too): flash2_bwd_wg's tiles
     assert kernels.WS_BWD_HEAD_DIMS == (128,)
     assert kernels.ws_runs(128, 128, 128, backward=True, variant=True)
-    assert not kernels.ws_runs(120, 120, 128, backward=True)
+    assert kernels.ws_runs(120, 120, 128, backward=True)          # below D too
+    assert kernels.ws_runs(112, 64, 128, backward=True) and not kernels.ws_runs(64, 64, 64, backward=True)
     assert kernels.smem_bytes("flash2_bwd_ws", 64, 128, 128, 128, "float16") <= 227 * 1024
     # a producer warpgroup and one consumer per 64 rows: three at d = 64, two at 96 and 128
     assert [kernels.threads("flash2_fwd_ws", D, 90) for D in (64, 96, 128)] == [512, 384, 384]

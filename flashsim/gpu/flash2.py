@@ -446,7 +446,8 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
         k_in, k_out, sl = _fast_variants(cp, scale, softcap, slopes)
         ws = None if which != "wg" else _ws_backward(
-            cp, shape, dtype, count_io, var, deterministic,
+            cp, shape, dtype, count_io, softcap is not None or alibi_slopes is not None,
+            deterministic,
             {A.AT_Q: (qi.arr, "q"), A.AT_K: (ki.arr, "k"), A.AT_V: (vi.arr, "k"),
              A.AT_dO: (doi.arr, "q")}, ld)
         if ws is not None:       # the Hopper backward fed by the copy engine
@@ -454,7 +455,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
                tuple(dev.pointer(x) for x in (qi.arr, ki.arr, vi.arr, doi.arr)),
                ws.crd.data.ptr, at.data.ptr, L.data.ptr, Dr.data.ptr, dQacc.data.ptr,
                dev.pointer(dK), dev.pointer(dV), Nq, Nk, int(ld[A.AT_dK]), int(ld[A.AT_dV]),
-               left, right, scale, float(k_in), float(k_out),
+               d, dv, left, right, scale, float(k_in), float(k_out),
                0 if isinstance(sl, np.uint64) else sl.data.ptr,
                0 if isinstance(sem, np.uint64) else sem.data.ptr, io.data.ptr)
         else:
@@ -630,16 +631,21 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
     arrays (``cols``: Q, K, V, dO), or None where it does not apply (kernels.ws_runs;
     layouts TMA cannot address; FLASHSIM_TMA=0): flash2_bwd_wg then runs, with the same
     tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO | crd, at, L, D, dQacc,
-    dK, dV | Nq, Nk, lddk, lddv, left, right | scale, k_in, k_out | slopes, sem, io."""
-    D = shape.d
-    if not (K.ws_runs(shape.d, shape.dv, D, backward=True, variant=var)
+    dK, dV | Nq, Nk, lddk, lddv, d, dv, left, right | scale, k_in, k_out | slopes, sem,
+    io. Head dims below D run its plain instance (``var``: softcap or ALiBi only): the
+    copy engine zero-fills the columns past d and dv."""
+    d, dv = shape.d, shape.dv
+    D = _instance(shape, "wg", backward=True)
+    if not (K.ws_runs(d, dv, D, backward=True, variant=var)
             and os.environ.get("FLASHSIM_TMA", "1") != "0"):
         return None
     four = {t: cols[t] for t in _tma.BACKWARD}
     rows = {arrays.AT_Q: shape.Nq, arrays.AT_K: shape.Nk, arrays.AT_V: shape.Nk,
             arrays.AT_dO: shape.Nq}
+    # head dims below D: maps d (V, dO: dv) columns wide, whose boxes' last columns are zeros
     got = _tma.plan(arrays.table_key(shape, four), tuple(int(x) for x in ld),
-                    tuple((t, rows[t]) for t in _tma.BACKWARD), D, cp.cuda.Device().id)
+                    tuple((t, rows[t]) for t in _tma.BACKWARD), d, cp.cuda.Device().id, D,
+                    ((arrays.AT_V, dv), (arrays.AT_dO, dv)) if dv != d else ())
     if got is None:
         return None
     crd, geoms = got
@@ -652,7 +658,7 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
                       K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
                       K.threads(name, D, dev.cc(cp.cuda.Device().id)),
                       K.smem_bytes(name, Br, Bc, D, D, dtype), geoms, box, D,
-                      "QQQQQQQiiiiiifffQQQ", crd)
+                      "QQQQQQQiiiiiiiifffQQQ", crd)
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
@@ -927,8 +933,8 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
                               {A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"),
                                A.AT_V: (views[2], "k"), A.AT_dO: (views[4], "q")}, ld)
             if ws is not None:
-                ws.set((Nq, Nk, ld[A.AT_dK], ld[A.AT_dV], plan.left, plan.right, plan.scale,
-                        0.0, 0.0, 0, 0, plan.io), 7)
+                ws.set((Nq, Nk, ld[A.AT_dK], ld[A.AT_dV], d, d, plan.left, plan.right,
+                        plan.scale, 0.0, 0.0, 0, 0, plan.io), 7)
                 main = _WsBackwardMain(ws)
         # (dQacc, dQ, at | Nq, lddq, d, Br, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q4iQ",
