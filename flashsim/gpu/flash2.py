@@ -831,11 +831,11 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
     GQA (whose dK, dV group sums the general path does), unordered dQ atomics; out and
     dout in any layout the kernels read, dq, dk, dv as `torch.empty_like` of q, k, v.
     Returns None for anything else."""
-    import torch
     key = _plan_key(q, k, v, causal, scale, "tc")
     tq = type(q)
     if key is None or type(out) is not tq or type(lse) is not tq or type(dout) is not tq:
         return None
+    import torch                                     # q is a PyTorch tensor: torch is there
     # the checks below, once per shapes, strides, dtypes and devices (as the forward's)
     bkey = (key, kernel, out.shape, out.stride(), out.dtype, out.device, lse.shape,
             lse.stride(), lse.dtype, lse.device, dout.shape, dout.stride(), dout.dtype,
