@@ -5,8 +5,9 @@
         --ns 2048,4096 --kernels auto --only flashsim-auto,sdpa-flash,sdpa-cudnn --out DIR
     python3 analysis/head_dims.py DIR/bench.json [--out analysis/out/bench/head_dims.md]
 
-Writes the ranges over dtypes, N and masks per d (time ratios: > 1 is faster than the
-backend), then every cell. A cell whose backend declined the shape is left empty.
+Writes the ranges over dtypes, N and masks per d (ratios of TFLOP/s, ours over the
+backend's: > 1 is faster), then every cell. A cell whose backend declined the shape is
+left empty.
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
 # and dO_i in a ring of WS_STAGES slots, dQ added by bulk reduce-adds, at D ∈
-# WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253 registers do not fit the 240 a consumer gets
-# beside a producer: it spills 212 bytes)
+# WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253 registers do not fit the 240 a
+# consumer gets beside a producer: it spills 212 bytes)
 WS_BWD_HEAD_DIMS = (128,)
 WS_BWD_THREADS = 384
 
