@@ -48,29 +48,44 @@ ARCH_SPECIFIC = {"flash2_wg.cu": "sm_90a", "flash2_ws.cu": "sm_90a"}
 # tiles TC_BLOCKS; head dims d, dv ≤ D (multiples of 8) run on the instance above them
 # (head_dim_instance).
 TC_DTYPES = ("float16", "bfloat16")
-TC_HEAD_DIMS = (64, 128, 256)
+TC_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # forward (Br, Bc) per head dim: 4 warps of two 16-row m-tiles (kernels_cu/NOTES.md); on
-# Ampere (sm_8x) d = 128 runs the same tile as 8 warps of one m-tile (fewer registers);
-# d = 256: 4 warps of one m-tile (O alone takes 128 registers per thread)
-TC_BLOCKS = {64: (128, 128), 128: (128, 64), 256: (64, 64)}
-TC_BLOCKS_AMPERE = {64: (128, 64), 128: (128, 64), 256: (64, 64)}   # 128 keys at d = 64 spill on sm_80
-# the softcap/ALiBi instance (VAR) on sm_90: 64 keys at d = 64 too (128 spill there)
-TC_BLOCKS_VAR = {64: (128, 64), 128: (128, 64), 256: (64, 64)}
-TC_THREADS = {64: 128, 128: 128, 256: 128}
-TC_THREADS_AMPERE = {64: 128, 128: 256, 256: 128}
+# Ampere (sm_8x) d = 96 and 128 run the same tile as 8 warps of one m-tile (fewer
+# registers); above 128: 4 warps of one m-tile (O alone takes D/2 registers per thread).
+# Shared memory holds rows of D rounded up to 64 halves (tc_row: the swizzle's 8 chunks)
+TC_BLOCKS = {32: (128, 128), 64: (128, 128), 96: (128, 64), 128: (128, 64), 160: (64, 64),
+             192: (64, 64), 224: (64, 64), 256: (64, 64)}
+TC_BLOCKS_AMPERE = {32: (128, 64), 64: (128, 64), 96: (128, 64), 128: (128, 64), 160: (64, 64),
+                    192: (64, 64), 224: (64, 64), 256: (64, 64)}   # 128 keys at d = 64 spill on sm_80
+# the softcap/ALiBi instance (VAR) on sm_90: 64 keys at d = 32 and 64 too (128 spill there)
+TC_BLOCKS_VAR = {**TC_BLOCKS, 32: (128, 64), 64: (128, 64)}
+TC_THREADS = {D: 128 for D in TC_HEAD_DIMS}
+TC_THREADS_AMPERE = {**TC_THREADS, 96: 256, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps; on Ampere
-# the steps are half as long (d = 128: registers; d = 64: an A100's shared memory);
-# d = 256: 64 keys (one 16-key m-tile per warp: dK_j, dV_j take 128 registers) in steps
-# of 32 queries (64 spilled in the varlen instances)
-TC_BWD_BLOCKS = {64: (128, 128), 128: (64, 128), 192: (64, 64), 256: (32, 64)}
-TC_BWD_BLOCKS_AMPERE = {64: (64, 128), 128: (32, 128), 192: (64, 64), 256: (32, 64)}
-# the backward's instances: d = 192 (and any d in (128, 192]) has its own on sm_90, 64
-# keys in steps of 64 queries (3/4 of D = 256's products, twice its step); on Ampere its
-# steps of 64 need 128 bytes more shared memory than an A100 gives a CTA, and steps of 32
-# would split dQ's 192 columns into odd n-tile counts: it runs D = 256 there (the instance
-# is built for every target, TC_BWD_BLOCKS_AMPERE naming the tiles it has, not launched)
-TC_BWD_HEAD_DIMS = (64, 128, 192, 256)
-TC_BWD_HEAD_DIMS_AMPERE = (64, 128, 256)
+# the steps are half as long (d = 128: registers; d = 32, 64: an A100's shared memory),
+# and d = 96 takes 64 keys (its 128-key tile with rows of 128 halves does not fit);
+# above 128: 64 keys (one 16-key m-tile per warp: dK_j, dV_j take D/2 registers each) in
+# steps of 64 queries, 32 at d = 256 (64 spilled in the varlen instances)
+TC_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 96: (64, 128), 128: (64, 128), 160: (64, 64),
+                 192: (64, 64), 256: (32, 64)}
+TC_BWD_BLOCKS_AMPERE = {32: (64, 128), 64: (64, 128), 96: (64, 64), 128: (32, 128),
+                        160: (64, 64), 192: (64, 64), 256: (32, 64)}
+# the backward's instances: d = 160 and 192 have their own on sm_90, 64 keys in steps of
+# 64 queries; on Ampere their steps of 64 need more shared memory than an A100 gives a
+# CTA, and steps of 32 would split dQ's columns into odd n-tile counts: they run D = 256
+# there (the instances are built for every target, TC_BWD_BLOCKS_AMPERE naming the tiles
+# they have, not launched). d = 224 runs D = 256 everywhere: its varlen instance in steps
+# of 64 spills 20 bytes on sm_90, and steps of 32 split dQ's columns into odd counts
+TC_BWD_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
+TC_BWD_HEAD_DIMS_AMPERE = (32, 64, 96, 128, 256)
+# the backward pre-pass's instances (D/8 lanes of a row reduce by shuffles: powers of two)
+PRE_HEAD_DIMS = (64, 128, 256)
+
+
+def tc_row(d: int) -> int:
+    """Halves per row of the tensor-core rung's shared tiles at instance d: d rounded up
+    to a multiple of 64 (flash2_tc.cu's ds<D>)."""
+    return -(-d // 64) * 64
 
 
 def head_dim_instance(d: int, dv: int, dims=TC_HEAD_DIMS) -> int | None:
@@ -100,8 +115,9 @@ def instance_dim(rung: str, d: int, dv: int, backward: bool = False,
 
 def pre_instance(d: int, dv: int) -> int | None:
     """D of the fast backwards' pre-pass (flash2_bwd_preprocess_tc) for head dims d, dv:
-    the forward's instance (a power of two: D/8 lanes of a row reduce by shuffles)."""
-    return head_dim_instance(d, dv, TC_HEAD_DIMS)
+    the smallest of PRE_HEAD_DIMS that holds them (a power of two: D/8 lanes of a row
+    reduce by shuffles)."""
+    return head_dim_instance(d, dv, PRE_HEAD_DIMS)
 
 
 def padded(d: int, dv: int, D: int | None = None) -> bool:
@@ -134,19 +150,24 @@ def tc_bwd_blocks(d: int, cc_major: int) -> tuple[int, int]:
 # The Hopper rung (flash2_wg.cu): warpgroup MMAs, 2 warpgroups. Forward: 64 query rows
 # each; at d = 64 two CTAs of 64-key tiles share an SM (kernels_cu/NOTES.md, v7).
 # Backward: 64 keys each (Bc = 128), steps of Br queries, the tiles of the tc backward;
-# at D = 192 and 256 (every d, dv in (128, 256]) a warpgroup's dK_j, dV_j of 64 keys would
+# above D = 128 (every d, dv in (128, 256]) a warpgroup's dK_j, dV_j of 64 keys would
 # take D registers, so the CTA takes 64 keys and its warpgroups split their columns
-# (wg_bwd.cuh's step_wide: one of Sᵀ, dPᵀ each, then half of dV_j, dK_j, dQ_i each).
-# D = 32 and 96 (and the backward's 192, whose halves of 96 columns must be whole blocks)
-# lay their tiles in 32-column blocks (the 64-byte swizzle; wgmma.cuh's Cols); the
-# backward's D = 32 takes steps of 128 queries, as 64 (its warpgroups split dQ's queries)
-WG_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-WG_BWD_HEAD_DIMS = (32, 64, 128, 192, 256)
-# (D = 192, 256: 64 keys, S beside O's 96 or 128 registers; D = 32 and 64: two CTAs of
+# (wg_bwd.cuh's step_wide: one of Sᵀ, dPᵀ each, then a part of dV_j, dK_j, dQ_i each,
+# wgmma.cuh's Parts: 96 + 64 at 160, 128 + 96 at 224). D = 32, 96, 160, 192 and 224
+# lay their tiles in 32-column blocks (the 64-byte swizzle; wgmma.cuh's Cols: each part
+# of a product must be whole blocks); the backward's D = 32 takes steps of 128 queries,
+# as 64 (its warpgroups split dQ's queries). No backward instance at 96: one (its
+# warpgroups taking 64 and 32 of dQ's columns, wg_bwd.cuh) ran d = 96 in 1.1–1.2× the
+# time of the copy-engine backward's D = 128 (flash2_bwd_ws, NOTES v31), which d, dv in
+# (64, 128] keep
+WG_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+WG_BWD_HEAD_DIMS = (32, 64, 128, 160, 192, 224, 256)
+# (above 128: 64 keys, S beside O's 80 … 128 registers; D = 32 and 64: two CTAs of
 # 64-key tiles per SM; D = 96 as 128: at two CTAs per SM its 128 registers spill)
-WG_BLOCKS = {32: (128, 64), 64: (128, 64), 96: (128, 128), 128: (128, 128), 192: (128, 64),
-             256: (128, 64)}
-WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
+WG_BLOCKS = {32: (128, 64), 64: (128, 64), 96: (128, 128), 128: (128, 128), 160: (128, 64),
+             192: (128, 64), 224: (128, 64), 256: (128, 64)}
+WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 160: (64, 64), 192: (64, 64),
+                 224: (64, 64), 256: (64, 64)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
@@ -362,9 +383,11 @@ REGISTERS = {
               "flash2_bwd_postprocess": 24, "flash2_fwd_tc": {64: 255, 128: 255, 256: 255},
               "flash2_bwd_preprocess_tc": 32, "flash2_bwd_tc": {64: 255, 128: 255, 192: 250, 256: 251},
               "flash2_bwd_tc_det": {64: 255, 128: 255, 192: 246, 256: 252},
-              "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 240, 192: 209, 256: 247},
-              "flash2_bwd_wg": {32: 220, 64: 253, 128: 238, 192: 180, 256: 232},
-              "flash2_bwd_wg_det": {32: 220, 64: 252, 128: 236, 192: 176, 256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
+              "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 240, 160: 190, 192: 209, 224: 255,
+                                256: 247},
+              "flash2_bwd_wg": {32: 220, 64: 253, 128: 238, 160: 194, 192: 180, 224: 227, 256: 232},
+              "flash2_bwd_wg_det": {32: 220, 64: 252, 128: 236, 160: 190, 192: 176, 224: 223,
+                                    256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
               "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 113, 128: 167}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
@@ -450,6 +473,8 @@ def instances(source: str | None = None) -> list[Instance]:
                     dims = WG_BWD_HEAD_DIMS
                 elif k.startswith("flash2_bwd_ws"):
                     dims = WS_BWD_HEAD_DIMS
+                elif k == "flash2_bwd_preprocess_tc":
+                    dims = PRE_HEAD_DIMS
                 elif k.startswith("flash2_bwd_tc"):
                     # every target builds them (one NVRTC module per source); Ampere
                     # launches no D = 192 (instance_dim)
@@ -550,14 +575,14 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
     if kernel == "flash2_bwd_main":
         return (2 * Bc * d + 2 * Bc * dv + Br * d + Br * dv + 2 * Br * Bc + 2 * Br) * a
     if kernel == "flash2_fwd_tc":   # Q_i, and K_j, V_j double-buffered, in the I/O type
-        return (Br * d + 4 * Bc * d) * 2
+        return (Br + 4 * Bc) * tc_row(d) * 2
     if kernel == "flash2_fwd_wg":   # the same, plus room to start the tiles on 1024 bytes
         return (Br * d + 4 * Bc * d) * 2 + 1024
     if kernel == "flash2_fwd_ws":   # Q_i, and WS_STAGES slots of K_j and of V_j
         return (Br * d + 2 * WS_STAGES * Bc * d) * 2 + 1024
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
-        # K_j, V_j; Q_i, dO_i double-buffered; Pᵀ, dSᵀ (padded); L, D
-        return (2 * Bc * d + 4 * Br * d + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
+        # K_j, V_j; Q_i, dO_i double-buffered (rows of tc_row(d)); Pᵀ, dSᵀ (padded); L, D
+        return ((2 * Bc + 4 * Br) * tc_row(d) + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4
     if kernel in ("flash2_bwd_wg", "flash2_bwd_wg_det"):
         # K_j, V_j; Q_i, dO_i double-buffered; dSᵀ (swizzled, unpadded); L, D; and room
         # to start the tiles on 1024 bytes; above 128 (step_wide) also Pᵀ (laid out as dSᵀ)

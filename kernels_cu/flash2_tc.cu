@@ -2,12 +2,13 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 128, 256}: head
+//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, …, 256}: head
 //                        dims d, dv ≤ D, multiples of 8 (below D the columns past them are
 //                        zeroed on chip and never stored; forward and backward run them
 //                        in their VAR instances, whose registers have room for the tests),
-//                        tiles Br × Bc = 128 × 128 (D = 64), 128 × 64 (D = 128; and on
-//                        Ampere at D = 64), 64 × 64 (D = 256, one m-tile per warp). Adds
+//                        tiles Br × Bc = 128 × 128 (D = 32, 64), 128 × 64 (D = 96, 128;
+//                        and on Ampere at D = 32, 64), 64 × 64 (above 128, one m-tile per
+//                        warp); shared rows of D rounded up to 64 halves (ds<D>). Adds
 //                        over
 //                        flash2_fwd (the reference):
 //                        - mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate) for S = Q Kᵀ
@@ -26,7 +27,8 @@
 //                          deferred normalisation, ℓ kept per thread until the end;
 //                        - grid (Tr, batch·heads): neighbouring CTAs share K/V in L2.
 //   flash2_bwd_preprocess_tc<T, D>, flash2_bwd_tc<T, D, VAR, VL>  the backward (below), at
-//                        D ∈ {64, 128, 192, 256} (192 launched on sm_90 only); the
+//                        D ∈ {32, 64, 96, 128, 160, 192, 256} (160, 192 launched on sm_90
+//                        only; d = 224 runs D = 256: flashsim/kernels.py says why); the
 //                        post-pass is the reference's flash2_bwd_postprocess;
 //                        flash2_bwd_tc_det<T, D, VAR, VL> the same in deterministic mode.
 // Every kernel but the pre-pass has VAR and VL template arguments: VAR = true is the
@@ -57,30 +59,36 @@ namespace tc {
 #ifndef FLASHSIM_TC_MINBLOCKS
 #define FLASHSIM_TC_MINBLOCKS 1
 #endif
-// Ampere (sm_8x) gets D = 128 tiles of the same Br × Bc with fewer registers per thread
-// (8 warps × 1 m-tile forward, 32-row backward steps): the sm_90 choices need 253-255
-// registers there and ptxas for sm_8x spills a few. flashsim/kernels.py mirrors this.
+// Ampere (sm_8x) gets D = 96 and 128 tiles of the same Br × Bc with fewer registers per
+// thread (8 warps × 1 m-tile forward; at 128 32-row backward steps): the sm_90 choices
+// need 251-255 registers there and ptxas for sm_8x spills a few. flashsim/kernels.py
+// mirrors this.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FLASHSIM_TC_AMPERE 1
 #else
 #define FLASHSIM_TC_AMPERE 0
 #endif
-template <int D> __host__ __device__ constexpr bool ampere128() { return FLASHSIM_TC_AMPERE && D == 128; }
-template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : (ampere128<D>() ? 8 : 4); }
+template <int D> __host__ __device__ constexpr bool ampere8w() { return FLASHSIM_TC_AMPERE && (D == 96 || D == 128); }
+// Shared tiles hold rows of DS = ds<D>() halves: D rounded up to a multiple of 64, so that
+// a row is whole 128-byte lines and the swizzle below (8 chunks, c ^ (r & 7)) stays inside
+// it; at D = 32, 96, 160, 224 the products read only the first D columns (the rest of the
+// row is never loaded or read)
+template <int D> __host__ __device__ constexpr int ds() { return (D + 63) / 64 * 64; }
+template <int D> __host__ __device__ constexpr int warps() { return FLASHSIM_TC_WARPS ? FLASHSIM_TC_WARPS : (ampere8w<D>() ? 8 : 4); }
 // m-tiles of 16 rows per warp: each K/V fragment loaded feeds MT MMAs (2: +15% at
 // D = 64 in analysis/tune_tc.py); the macro overrides it for tuning
 #ifndef FLASHSIM_TC_MT
 #define FLASHSIM_TC_MT 0
 #endif
-// (D = 256: one, Br = 64: O alone takes 128 registers)
-template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (ampere128<D>() || D == 256 ? 1 : 2); }
+// (above D = 128: one, Br = 64: O alone takes D/2 registers)
+template <int D> __host__ __device__ constexpr int mtiles() { return FLASHSIM_TC_MT ? FLASHSIM_TC_MT : (ampere8w<D>() || D > 128 ? 1 : 2); }
 // Q_i's A fragments held in registers for the whole loop (1), or read from shared memory
 // with ldmatrix at every k-step (0), which frees D/4·MT registers for a second m-tile
 // at D = 128; the macro overrides it for tuning (-1 = the default)
 #ifndef FLASHSIM_TC_QREG
 #define FLASHSIM_TC_QREG -1
 #endif
-template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : FLASHSIM_TC_AMPERE && D < 256; }
+template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_QREG >= 0 ? FLASHSIM_TC_QREG : FLASHSIM_TC_AMPERE && D <= 128; }
 // where the next K/V tile's loads are issued: at the top of the iteration, before the
 // barrier (0), or after the softmax, when S's registers are free and one barrier per
 // iteration suffices (1, shipped: +8% at D = 128, +1% at D = 64); -1 = the default
@@ -88,28 +96,29 @@ template <int D> __host__ __device__ constexpr bool qreg() { return FLASHSIM_TC_
 #define FLASHSIM_TC_LATE -1
 #endif
 template <int D> __host__ __device__ constexpr bool late() { return FLASHSIM_TC_LATE >= 0 ? FLASHSIM_TC_LATE : true; }
-// keys per K/V tile: 128 at D = 64 on sm_90 (+4–7% over 64 on an H100, NOTES.md v5), 64
+// keys per K/V tile: 128 at D = 32 and 64 on sm_90 (+4–7% over 64 on an H100, NOTES.md v5), 64
 // at D = 128 (a 128-key S does not fit beside O in 255 registers) and on Ampere (whose
 // ptxas spills the 128-key tile's instrumented build)
 // The softcap/ALiBi instance (VAR) keeps 64 keys at D = 64: with 128 its scores' pass
 // spills on sm_90 (kernels_cu/NOTES.md, v9)
 template <int D, bool VAR = false> __host__ __device__ constexpr int bc() {
-    return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : (D == 64 && !FLASHSIM_TC_AMPERE && !VAR ? 128 : 64);
+    return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : (D <= 64 && !FLASHSIM_TC_AMPERE && !VAR ? 128 : 64);
 }
 
-// Shared tiles are rows of D halves in 16-byte chunks; chunk c of row r lives at chunk
-// c ^ (r & 7) (load_tile writes them so, swz_base/swz_step read them). The 8 rows an
-// ldmatrix reads then sit in 8 different bank groups.
+// Shared tiles are rows of DS halves (ds<D>()) in 16-byte chunks; chunk c of row r lives
+// at chunk c ^ (r & 7) (load_tile writes them so, swz_base/swz_step read them). The 8 rows
+// an ldmatrix reads then sit in 8 different bank groups.
 
 // Addresses into a swizzled tile without per-load arithmetic. Chunk ch = 2k + h of row r
 // (k a compile-time step, h ∈ {0, 1} taken from the lane) sits at byte
 // row_base + ((ch ^ (r & 7)) << 4); with row_base a multiple of 128 (rows of ≥ 64
-// halves) that is (row_base + ((h ^ (r & 7)) << 4)) ^ ((k & 3) << 5) + (k >> 2)·128.
+// halves: every DS) that is (row_base + ((h ^ (r & 7)) << 4)) ^ ((k & 3) << 5) + (k >> 2)·128.
 // So a thread computes one base per tile, swz_base(...), and each ldmatrix address is one
 // XOR with an immediate plus an immediate offset; rows 8 apart share the base's swizzle.
-template <int D>
+template <int DS>
 __device__ __forceinline__ unsigned swz_base(const void* tile, int r, int h) {
-    return smem_addr(tile) + r * D * 2 + ((h ^ (r & 7)) << 4);
+    static_assert(DS % 64 == 0, "rows of whole 128-byte lines");
+    return smem_addr(tile) + r * DS * 2 + ((h ^ (r & 7)) << 4);
 }
 __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
     return (base ^ ((k & 3) << 5)) + ((k >> 2) << 7);
@@ -125,12 +134,12 @@ __device__ __forceinline__ unsigned swz_step(unsigned base, int k) {
 // D = 128 forward's loop needed, and it spilled).
 template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid, int width) {
-    constexpr int CH = D / 8;                       // 16-byte chunks per row
+    constexpr int CH = D / 8, DS = ds<D>();         // 16-byte chunks per row; row stride
     // tid read through volatile asm: the compiler may not hoist it, and so keeps no
     // per-thread offsets live across the caller's loop (registers are short there)
     const unsigned tid = opaque_tid();
     if constexpr (THREADS % CH != 0) {
-        // D = 192 (24 chunks a row): a pass does not cover whole rows, so each chunk's
+        // D = 96, 160, 192, 224 (12 … 28 chunks a row): a pass does not cover whole rows, so each chunk's
         // row and column come from its index (divisions by a constant)
 #pragma unroll
         for (int it = 0; it < (ROWS * CH + THREADS - 1) / THREADS; ++it) {
@@ -138,7 +147,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid, i
             if ((ROWS * CH) % THREADS != 0 && x >= ROWS * CH) break;
             if (c * 8 >= width) continue;
             const bool ok = r < valid;
-            cp_async16(s + r * D + ((c ^ (r & 7)) << 3), g + (ok ? r * ld + c * 8 : 0), ok);
+            cp_async16(s + r * DS + ((c ^ (r & 7)) << 3), g + (ok ? r * ld + c * 8 : 0), ok);
         }
         return;
     }
@@ -152,7 +161,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid, i
         const bool ok = r < valid;
         // RPI is a multiple of 8, so r & 7 = r0 & 7 in every pass
         const int sc = RPI % 8 == 0 ? c ^ (r0 & 7) : c ^ (r & 7);
-        cp_async16(s + r * D + (sc << 3), g + (ok ? r * ld + c * 8 : 0), ok);
+        cp_async16(s + r * DS + (sc << 3), g + (ok ? r * ld + c * 8 : 0), ok);
     }
 }
 // zeros into the columns [width, D) of a ROWS × D swizzled tile (rows' chunks permuted
@@ -161,11 +170,11 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int ld, int valid, i
 // S = Q Kᵀ and dPᵀ = V dOᵀ sum only the head dim's columns
 template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void zero_cols(T* s, int width) {
-    constexpr int CH = D / 8;
+    constexpr int CH = D / 8, DS = ds<D>();
     const int w = width / 8;
     for (int x = threadIdx.x; x < ROWS * (CH - w); x += THREADS) {
         const int r = x / (CH - w), c = w + x % (CH - w);
-        *reinterpret_cast<uint4*>(s + r * D + ((c ^ (r & 7)) << 3)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(s + r * DS + ((c ^ (r & 7)) << 3)) = make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -183,10 +192,11 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // each warp owns MT m-tiles of 16 query rows: every K/V fragment it loads feeds MT MMAs
     constexpr int MT = mtiles<D>(), RW = 16 * MT;
     constexpr int Br = RW * warps<D>(), THREADS = 32 * warps<D>(), Bc = bc<D, VAR>();
+    constexpr int DS = ds<D>();                      // the tiles' row stride (halves)
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·D
-    T* sK = sQ + Br * D;                             // 2 buffers of Bc·D
-    T* sV = sK + 2 * Bc * D;                         // 2 buffers of Bc·D
+    T* sQ = reinterpret_cast<T*>(smem_raw);          // Br·DS
+    T* sK = sQ + Br * DS;                            // 2 buffers of Bc·DS
+    T* sV = sK + 2 * Bc * DS;                        // 2 buffers of Bc·DS
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;         // MMA group and thread in group
@@ -238,8 +248,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         zero_cols<T, D, Br, 32 * warps<D>()>(sQ, nd);
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
-            zero_cols<T, D, Bc, 32 * warps<D>()>(sK + b * Bc * D, nd);
-            zero_cols<T, D, Bc, 32 * warps<D>()>(sV + b * Bc * D, ndv);
+            zero_cols<T, D, Bc, 32 * warps<D>()>(sK + b * Bc * DS, nd);
+            zero_cols<T, D, Bc, 32 * warps<D>()>(sV + b * Bc * DS, ndv);
         }
     }
     load_tile<T, D, Br, 32 * warps<D>()>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows, nd);   // HBM→SRAM: Q_i (Br·d)
@@ -259,16 +269,16 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     constexpr bool LATE = late<D>();
     // per-thread bases of the ldmatrix addresses (swz_base): Q_i's rows of this warp
     // (A operand), K_j's keys (B operand), V_j's keys (B operand, transposed)
-    const unsigned qbase = swz_base<D>(sQ, warp * RW + (lane & 15), lane >> 4);
-    const unsigned kbase = swz_base<D>(sK, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-    const unsigned vbase = swz_base<D>(sV, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const unsigned qbase = swz_base<DS>(sQ, warp * RW + (lane & 15), lane >> 4);
+    const unsigned kbase = swz_base<DS>(sK, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const unsigned vbase = swz_base<DS>(sV, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     unsigned qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
     if constexpr (QREG) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
-                ldmatrix_x4(qf[mi][kk], swz_step(qbase, kk) + mi * 16 * D * 2);
+                ldmatrix_x4(qf[mi][kk], swz_step(qbase, kk) + mi * 16 * DS * 2);
     }
 
     float o[MT][D / 8][4];
@@ -286,8 +296,8 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         // stream tile j+1 into the other buffer behind tile j
         auto prefetch = [&]() {
             const int j0n = (j + 1) * Bc, colsn = min(Bc, (VL ? s_nk : Nk) - j0n);
-            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * D, (VL ? s_kv[0] : Kp) + (long long)j0n * ldk, ldk, colsn, nd);
-            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * D, (VL ? s_kv[1] : Vp) + (long long)j0n * ldv, ldv, colsn, ndv);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sK + (buf ^ 1) * Bc * DS, (VL ? s_kv[0] : Kp) + (long long)j0n * ldk, ldk, colsn, nd);
+            load_tile<T, D, Bc, 32 * warps<D>()>(sV + (buf ^ 1) * Bc * DS, (VL ? s_kv[1] : Vp) + (long long)j0n * ldv, ldv, colsn, ndv);
             cp_async_commit();
         };
         if constexpr (!LATE) {
@@ -315,12 +325,12 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
             if constexpr (!QREG) {
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
-                    ldmatrix_x4(qs[mi], swz_step(qbase, kk) + mi * 16 * D * 2);
+                    ldmatrix_x4(qs[mi], swz_step(qbase, kk) + mi * 16 * DS * 2);
             }
 #pragma unroll
             for (int t = 0; t < Bc / 8; t += 2) {
                 unsigned b[4];   // (n-tile t: k lo, k hi), (n-tile t+1: k lo, k hi)
-                ldmatrix_x4(b, swz_step(kbase + buf * Bc * D * 2, kk) + t * 8 * D * 2);
+                ldmatrix_x4(b, swz_step(kbase + buf * Bc * DS * 2, kk) + t * 8 * DS * 2);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
                     const unsigned* a = QREG ? qf[QREG ? mi : 0][QREG ? kk : 0] : qs[QREG ? 0 : mi];
@@ -409,7 +419,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
             for (int t = 0; t < D / 8; t += 2) {
                 unsigned b[4];   // V rows are keys: .trans turns them into B fragments
-                ldmatrix_x4_trans(b, swz_step(vbase + buf * Bc * D * 2, t / 2) + kk * 16 * D * 2);
+                ldmatrix_x4_trans(b, swz_step(vbase + buf * Bc * DS * 2, t / 2) + kk * 16 * DS * 2);
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi) {
                     mma16816<T>(o[mi][t], pf[mi][kk], b);
@@ -457,7 +467,7 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
 // flash2_bwd_tc<T, D>: the backward main loop on tensor cores (the pre-pass is
 // flash2_bwd_preprocess_tc below, the post-pass the reference's). K/V-outer like
-// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys (64 at D = 256), 8 warps; the visited Q tiles
+// flash2_bwd_main: one CTA per K/V tile j of Bc = 128 keys (64 above D = 128), 8 warps; the visited Q tiles
 // stream through shared memory, double-buffered, in steps of BrB queries. Each step runs
 // three products, each with the warps laid out so that every fragment a warp reads from
 // shared memory feeds several MMAs (ldmatrix traffic, not the tensor cores, limits this
@@ -481,21 +491,31 @@ namespace tcb {
 // queries at D = 64, 64 at D = 128 (32 on Ampere at D = 128, where ptxas spills at 64;
 // 64 on Ampere at D = 64, where 128 needs more shared memory than an A100 has); 32 at
 // D = 256 (64 spilled in the varlen instances on sm_90, and needs 210 KB of shared
-// memory); 64 at D = 192 (with 32, product 3 would split 192 columns into three n-tiles
-// per warp; on Ampere this instance is built but not launched: its 163 KB of shared
-// memory plus the static bytes exceed an A100's). The macro overrides it for tuning.
+// memory); 64 at D = 160 and 192 (with 32, product 3 would split their columns into odd
+// n-tile counts per warp; on Ampere these instances are built but not launched: their
+// 163 KB of shared memory plus the static bytes exceed an A100's); 128 at D = 32 (64 on
+// Ampere), 64 at 96. The macro overrides it for tuning.
 #ifndef FLASHSIM_TCB_BRB
 #define FLASHSIM_TCB_BRB 0
 #endif
 template <int D> __host__ __device__ constexpr int brb() {
-    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB : (D == 192 ? 64 : FLASHSIM_TC_AMPERE || D == 256 ? (D >= 128 ? 32 : 64) : (D == 64 ? 128 : 64));
+    return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB
+         : D > 128 ? (D == 256 ? 32 : 64)                  // 160, 192, 224: 64; 256: 32
+         : FLASHSIM_TC_AMPERE ? (D == 128 ? 32 : 64)
+         : (D <= 64 ? 128 : 64);                           // 32 as 64, 96 as 128
 }
 // 8 warps, in products 1 and 2 four groups of KM m-tiles of 16 keys: KM = 2 (Bc = 128
-// keys per CTA, half the dQ atomics of Bc = 64), or 1 at D = 192 and 256, where dK_j and
-// dV_j of 32 keys would take 192 and 256 registers
+// keys per CTA, half the dQ atomics of Bc = 64), or 1 above D = 128, where dK_j and dV_j
+// of 32 keys would take 2·D registers (and on Ampere at D = 96, whose 128-key tile with
+// its rows padded to 128 halves needs more shared memory than an A100 has)
 constexpr int WARPS = 8, THREADS = 32 * WARPS;
-template <int D> __host__ __device__ constexpr int km() { return D > 128 ? 1 : 2; }
+template <int D> __host__ __device__ constexpr int km() { return D > 128 || (FLASHSIM_TC_AMPERE && D == 96) ? 1 : 2; }
 template <int D> __host__ __device__ constexpr int bc() { return 4 * 16 * km<D>(); }
+// product 3 (dQ): MQ m-tiles of 16 queries per warp, 2 (each K_j fragment feeds two MMAs)
+// where the warps' column groups are then an even number of 8-column n-tiles, else 1
+// (D = 96, 160, 224: with 2 a warp would take 3, 5 or 7 n-tiles, which the loop's
+// x4 loads take in pairs)
+template <int D> __host__ __device__ constexpr int mq() { return D * (brb<D>() / 32) % 128 == 0 ? 2 : 1; }
 }  // namespace tcb
 
 // The body of both backward kernels: DET = false adds into dQacc with unordered atomics
@@ -511,17 +531,20 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     constexpr int SPS = BrB + 8;         // row stride of Pᵀ and dSᵀ: padded, no bank conflicts
     constexpr int QN = BrB / 16;         // product 1: n-tiles of 8 queries per warp (BrB/2)
     constexpr int DN = D / 16;           // product 2: n-tiles of 8 columns per warp (D/2)
-    constexpr int WQ = BrB / 32;         // product 3: warps along the queries (32 each)...
+    constexpr int MQ = tcb::mq<D>();     // product 3: m-tiles of 16 queries per warp,
+    constexpr int WQ = BrB / (16 * MQ);  // warps along the queries (16·MQ each) ...
     constexpr int DQ = D / (tcb::WARPS / WQ) / 8;   // ... and n-tiles of 8 columns per warp
-    static_assert(BrB % 32 == 0 && BrB <= 256 && QN % 2 == 0 && DQ % 2 == 0, "step shape");
+    static_assert(BrB % 32 == 0 && BrB <= 256 && QN % 2 == 0 && tcb::WARPS % WQ == 0
+                  && DQ * 8 * (tcb::WARPS / WQ) == D && DQ % 2 == 0, "step shape");
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
+    constexpr int DS = ds<D>();                   // the tiles' row stride (halves)
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* sK = reinterpret_cast<T*>(smem_raw);       // Bc·D
-    T* sV = sK + Bc * D;                          // Bc·D
-    T* sQ = sV + Bc * D;                          // 2 × BrB·D
-    T* sdO = sQ + 2 * BrB * D;                    // 2 × BrB·D
-    T* sP = sdO + 2 * BrB * D;                    // Bc × SPS: Pᵀ, keys × queries
+    T* sK = reinterpret_cast<T*>(smem_raw);       // Bc·DS
+    T* sV = sK + Bc * DS;                         // Bc·DS
+    T* sQ = sV + Bc * DS;                         // 2 × BrB·DS
+    T* sdO = sQ + 2 * BrB * DS;                   // 2 × BrB·DS
+    T* sP = sdO + 2 * BrB * DS;                   // Bc × SPS: Pᵀ, keys × queries
     T* sdS = sP + Bc * SPS;                       // Bc × SPS: dSᵀ
     float* sL = reinterpret_cast<float*>(sdS + Bc * SPS);   // 2 × BrB, L·log2(e)
     float* sD = sL + 2 * BrB;                               // 2 × BrB
@@ -567,17 +590,17 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     //   3: dSᵀ transposed, its queries (A); K_j transposed, its columns (B)
     // V_j, dO_i and dSᵀ sit a constant distance after K_j, Q_i and Pᵀ: their bases are
     // those plus an immediate.
-    const unsigned kabase = swz_base<D>(sK, wk * KW + (lane & 15), lane >> 4);
-    const unsigned qbbase = swz_base<D>(sQ, wh * (BrB / 2) + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+    const unsigned kabase = swz_base<DS>(sK, wk * KW + (lane & 15), lane >> 4);
+    const unsigned qbbase = swz_base<DS>(sQ, wh * (BrB / 2) + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
     const unsigned pabase = smem_addr(sP + (wk * KW + (lane & 15)) * SPS + ((lane >> 4) << 3));
     constexpr bool QT_PRE = ((DN / 2) & (DN / 2 - 1)) == 0, KT_PRE = ((DQ / 2) & (DQ / 2 - 1)) == 0;
-    const unsigned qtbase0 = swz_base<D>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const unsigned qtbase0 = swz_base<DS>(sQ, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     const unsigned qtbase = QT_PRE ? swz_step(qtbase0, wh * (DN / 2)) : qtbase0;
     const int wq = warp % WQ, wd = warp / WQ;     // product 3: 32-query group, column group
-    const unsigned dstbase = smem_addr(sdS + ((lane & 7) + ((lane >> 4) << 3)) * SPS + wq * 32 + (((lane >> 3) & 1) << 3));
-    const unsigned ktbase0 = swz_base<D>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+    const unsigned dstbase = smem_addr(sdS + ((lane & 7) + ((lane >> 4) << 3)) * SPS + wq * 16 * MQ + (((lane >> 3) & 1) << 3));
+    const unsigned ktbase0 = swz_base<DS>(sK, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
     const unsigned ktbase = KT_PRE ? swz_step(ktbase0, wd * (DQ / 2)) : ktbase0;
-    constexpr unsigned V_FROM_K = Bc * D * 2, DO_FROM_Q = 2 * BrB * D * 2, DS_FROM_P = Bc * SPS * 2;   // bytes
+    constexpr unsigned V_FROM_K = Bc * DS * 2, DO_FROM_Q = 2 * BrB * DS * 2, DS_FROM_P = Bc * SPS * 2;   // bytes
     const bool ragged = cols < Bc;                // keys past Nk in this tile
 
     float dv_acc[KM][DN][4], dk_acc[KM][DN][4];             // keys k0 + 16·mt (+8), columns wh·D/2 + 8t
@@ -601,8 +624,8 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
         const int i0 = i * BrB, rows = min(BrB, nq - i0);
         const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
-        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * D, Qs + (long long)i0 * ldq, ldq, rows, nd);      // HBM→SRAM: Q_i (Br·d)
-        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * D, dOs + (long long)i0 * lddo, lddo, rows, ndv);  // HBM→SRAM: dO_i (Br·dv)
+        load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * DS, Qs + (long long)i0 * ldq, ldq, rows, nd);      // HBM→SRAM: Q_i (Br·d)
+        load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * DS, dOs + (long long)i0 * lddo, lddo, rows, ndv);  // HBM→SRAM: dO_i (Br·dv)
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
         // 2^(s − ∞) = 0 makes P, and so dS, zero without a per-element test
         for (int r = tid; r < BrB; r += THREADS) {
@@ -618,8 +641,8 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         zero_cols<T, D, Bc, THREADS>(sV, ndv);
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
-            zero_cols<T, D, BrB, THREADS>(sQ + b * BrB * D, nd);
-            zero_cols<T, D, BrB, THREADS>(sdO + b * BrB * D, ndv);
+            zero_cols<T, D, BrB, THREADS>(sQ + b * BrB * DS, nd);
+            zero_cols<T, D, BrB, THREADS>(sdO + b * BrB * DS, ndv);
         }
     }
     if (ihi >= ilo) {
@@ -646,16 +669,16 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                 for (int t = 0; t < QN; ++t)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][t][e] = dp[mt][t][e] = 0.f;
-            const unsigned qb = qbbase + buf * BrB * D * 2;
+            const unsigned qb = qbbase + buf * BrB * DS * 2;
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 unsigned a[KM][4];
 #pragma unroll
-                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2);
+                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * DS * 2);
 #pragma unroll
                 for (int t = 0; t < QN; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * D * 2);
+                    ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * DS * 2);
 #pragma unroll
                     for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(s[mt][t], a[mt], b);
@@ -663,11 +686,11 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * D * 2 + V_FROM_K);
+                for (int mt = 0; mt < KM; ++mt) ldmatrix_x4(a[mt], swz_step(kabase, kk) + mt * 16 * DS * 2 + V_FROM_K);
 #pragma unroll
                 for (int t = 0; t < QN; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * D * 2 + DO_FROM_Q);
+                    ldmatrix_x4(b, swz_step(qb, kk) + t * 8 * DS * 2 + DO_FROM_Q);
 #pragma unroll
                     for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dp[mt][t], a[mt], b);
@@ -726,7 +749,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         // 2. dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i: m = the warp's KW keys, n = its D/2
         //    columns, k = BrB queries (.trans: the rows of dO_i and Q_i are queries)
         {
-            const unsigned qt = qtbase + buf * BrB * D * 2;
+            const unsigned qt = qtbase + buf * BrB * DS * 2;
 #pragma unroll
             for (int kk = 0; kk < BrB / 16; ++kk) {
                 unsigned a[KM][4];
@@ -735,7 +758,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, swz_step(qt, QT_PRE ? t / 2 : wh * (DN / 2) + t / 2) + kk * 16 * D * 2 + DO_FROM_Q);
+                    ldmatrix_x4_trans(b, swz_step(qt, QT_PRE ? t / 2 : wh * (DN / 2) + t / 2) + kk * 16 * DS * 2 + DO_FROM_Q);
 #pragma unroll
                     for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dv_acc[mt][t], a[mt], b);
@@ -747,7 +770,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
 #pragma unroll
                 for (int t = 0; t < DN; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, swz_step(qt, QT_PRE ? t / 2 : wh * (DN / 2) + t / 2) + kk * 16 * D * 2);
+                    ldmatrix_x4_trans(b, swz_step(qt, QT_PRE ? t / 2 : wh * (DN / 2) + t / 2) + kk * 16 * DS * 2);
 #pragma unroll
                     for (int mt = 0; mt < KM; ++mt) {
                         mma16816<T>(dk_acc[mt][t], a[mt], b);
@@ -757,28 +780,28 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
             }
         }
 
-        // 3. dQ_i += scale · dS K_j: m = the warp's 32 queries, n = its D/(8/WQ) columns,
+        // 3. dQ_i += scale · dS K_j: m = the warp's 16·MQ queries, n = its D/(8/WQ) columns,
         //    k = Bc keys (.trans: dS from dSᵀ, K_j's rows are keys)
         {
             const long long q_row = (long long)p * Nq + sq.q0 + i0;
             int mine = 0;
             int* turn = dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
-            float dq[2][DQ][4];
+            float dq[MQ][DQ][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
                 for (int t = 0; t < DQ; ++t) dq[mt][t][0] = dq[mt][t][1] = dq[mt][t][2] = dq[mt][t][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk) {
-                unsigned a[2][4];
+                unsigned a[MQ][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(a[mt], dstbase + (kk * 16 * SPS + mt * 16) * 2);
+                for (int mt = 0; mt < MQ; ++mt) ldmatrix_x4_trans(a[mt], dstbase + (kk * 16 * SPS + mt * 16) * 2);
 #pragma unroll
                 for (int t = 0; t < DQ; t += 2) {
                     unsigned b[4];
-                    ldmatrix_x4_trans(b, swz_step(ktbase, KT_PRE ? t / 2 : wd * (DQ / 2) + t / 2) + kk * 16 * D * 2);
+                    ldmatrix_x4_trans(b, swz_step(ktbase, KT_PRE ? t / 2 : wd * (DQ / 2) + t / 2) + kk * 16 * DS * 2);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
+                    for (int mt = 0; mt < MQ; ++mt) {
                         mma16816<T>(dq[mt][t], a[mt], b);
                         mma16816<T>(dq[mt][t + 1], a[mt], b + 2);
                     }
@@ -788,8 +811,8 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
             // VAR: this warp's column tiles below d (warp-uniform: d is a multiple of 8)
             const int tn = VAR ? (opaque(d) >> 3) - (int)(opaque_tid() >> 5) / WQ * DQ : DQ;
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                const int r0 = wq * 32 + mt * 16 + g, r1 = r0 + 8;
+            for (int mt = 0; mt < MQ; ++mt) {
+                const int r0 = wq * 16 * MQ + mt * 16 + g, r1 = r0 + 8;
 #pragma unroll
                 for (int t = 0; t < DQ; ++t) {
                     const int c = wd * DQ * 8 + t * 8 + tig * 2;

@@ -2,11 +2,11 @@
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
 //   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, 96, 128,
-//                        192, 256}: head dims d, dv ≤ D, multiples of 8 (the columns past
-//                        them zero-filled by the loads and never stored; so too in the
-//                        backward below), tiles Br × Bc = 128 × 128 (D = 96, 128), 128 × 64
-//                        (D = 32, 64, two CTAs per SM; D = 192, 256, P V as two 64 × D/2
-//                        products per k-step). Over
+//                        160, 192, 224, 256}: head dims d, dv ≤ D, multiples of 8 (the
+//                        columns past them zero-filled by the loads and never stored; so
+//                        too in the backward below), tiles Br × Bc = 128 × 128 (D = 96,
+//                        128), 128 × 64 (D = 32, 64, two CTAs per SM; above 128, P V as
+//                        two products per k-step, wgmma.cuh's Parts). Over
 //                        flash2_fwd_tc it changes how the
 //                        products run:
 //                        - wgmma.mma_async m64nNk16: a warpgroup (4 warps) issues one
@@ -111,7 +111,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
               unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 32 || D == 64 || D == 96 || D == 128 || D == 192 || D == 256, "head dims 32, 64, 96, 128, 192, 256");
+    static_assert(D % 32 == 0 && D <= 256, "head dims: multiples of 32 up to 256");
     using CL = Cols<D>;
     constexpr int Bc = bc<D>();
     extern __shared__ unsigned char smem_raw[];
@@ -179,18 +179,17 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         }
         wgmma_commit();
     };
-    // O_i += P V_j from V buffer vb: Bc/16 instructions of 64 × D × 16, one group (D =
-    // 192, 256: two of 64 × D/2 × 16 per step, on V's column blocks of either half, into
-    // O's registers 0 … D/4 − 1 and D/4 … D/2 − 1: the m64n(D/2) layout of each half, which
-    // wg_store_o reads as one of D columns)
+    // O_i += P V_j from V buffer vb: Bc/16 instructions of 64 × D × 16, one group (D >
+    // 128: two per step, 64 × H0 × 16 and 64 × H1 × 16 on V's column blocks of either part
+    // (wgmma.cuh's Parts), into O's registers 0 … H0/2 − 1 and H0/2 … D/2 − 1, which
+    // wg_store_o reads as one product of D columns)
     auto issue_pv = [&](unsigned vb) {
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk) {
-            if constexpr (D == 192 || D == 256) {
-                constexpr int H = D / 2, HB = H / CL::W;   // a half's columns, column blocks
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    Wgmma<T, H>::rs(o + h * (H / 2), pf[kk], desc(vb + h * HB * (Bc * CL::RB) + kk * 16 * CL::RB,
+            if constexpr (D > 128) {
+                using PT = Parts<D>;
+                Wgmma<T, PT::H0>::rs(o, pf[kk], desc(vb + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE));
+                Wgmma<T, PT::H1>::rs(o + PT::H0 / 2, pf[kk], desc(vb + PT::B0 * (Bc * CL::RB) + kk * 16 * CL::RB,
                                                                   Bc * CL::RB, CL::SBO, CL::MODE));
             } else {
                 Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE));
@@ -290,10 +289,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 // flash2_bwd_wg<T, D, VAR, VL>, flash2_bwd_wg_det<T, D, VAR, VL>: the backward main loop
 // on warpgroup MMAs (the pre-pass is flash2_tc.cu's flash2_bwd_preprocess_tc, the
 // post-pass the reference's). The schedule, tiles and traffic of flash2_bwd_tc: K/V-outer,
-// one CTA per K/V tile j of Bc = 128 keys (64 at D = 192, 256), the visited Q tiles streaming
+// one CTA per K/V tile j of Bc = 128 keys (64 above D = 128), the visited Q tiles streaming
 // through shared memory (double-buffered, 16-byte cp.async) in steps of BrB queries (128
-// at D = 32 and 64, 64 above). Head dims D ∈ {32, 64, 128, 192, 256}. Two warpgroups, 64 keys each: dK_j and dV_j of its
-// keys stay in a warpgroup's registers (wgmma accumulators) for the whole loop; at D = 192, 256
+// at D = 32 and 64, 64 above). Head dims D ∈ {32, 64, 128, 160, 192, 224, 256}. Two warpgroups, 64 keys each: dK_j and dV_j of its
+// keys stay in a warpgroup's registers (wgmma accumulators) for the whole loop; above 128
 // both warpgroups take all 64 keys and split the columns (wg_bwd.cuh's step_wide). A
 // step's products and elementwise work are wg_bwd.cuh's (step shared with flash2_ws.cu's
 // flash2_bwd_ws, which loads by TMA).
@@ -305,11 +304,11 @@ __device__ __forceinline__ void
 bwd_wg(FLASHSIM_BWD_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    static_assert(D == 32 || D == 64 || D == 128 || D == 192 || D == 256, "head dims 32, 64, 128, 192 and 256");
+    static_assert(D % 32 == 0 && D <= 256, "head dims: multiples of 32 up to 256");
     static_assert(wg::THREADS == wgb::THREADS, "load_tile's passes assume two warpgroups");
     constexpr int Bc = wgb::bc<D>(), BrB = wgb::brb<D>();
     constexpr bool WIDE = D > 128;                   // wg_bwd.cuh's step_wide: columns split
-    constexpr int ACC = WIDE ? D / 4 : D / 2;        // a thread's share of dK_j, of dV_j
+    constexpr int ACC = WIDE ? Parts<D>::H0 / 2 : D / 2;   // a thread's share of dK_j, of dV_j
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem_raw[];
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;

@@ -2,9 +2,9 @@
 // flash2_bwd_wg (its consumers load the tiles with cp.async) and flash2_ws.cu's
 // flash2_bwd_ws (a producer warpgroup loads them with TMA): the products, the
 // elementwise work and dQ's additions of one step of BrB queries against the CTA's K/V
-// tile of Bc keys, which two warpgroups of 64 keys each share (at D = 192 and 256, step_wide
+// tile of Bc keys, which two warpgroups of 64 keys each share (above D = 128, step_wide
 // below: 64 keys, the warpgroups splitting the columns). The tiles of K_j, V_j, Q_i, dO_i
-// lie as wgmma.cuh's Cols<D> (D = 32: one 32-column block, the 64-byte swizzle). Per step:
+// lie as wgmma.cuh's Cols<D> (D = 32, 96: 32-column blocks, the 64-byte swizzle). Per step:
 //   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
 //      BrB queries per warpgroup, two commit groups;
 //   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
@@ -61,6 +61,47 @@ template <int WG0> struct Thread {
 // SDQ_LD > 0: dQ_i goes instead into shared memory at sdQ (fp32, rows SDQ_LD floats
 // apart), for the caller to add to dQacc; wait and pass then bracket those stores.
 struct Turn { int* counter; int mine; };
+
+// dQ_i's block of 64 queries (dSᵀ's query block at sdSq) × N columns (K_j's column blocks
+// from sKn) = dS K_j, k = Bc keys: A = dSᵀ MN-major, B = K_j MN-major. A function of N,
+// not a generic lambda: NVRTC compiles no lambda templates in device code
+template <typename T, int D, int N>
+__device__ __forceinline__ void dq_product(float* dq, unsigned sdSq, unsigned sKn) {
+    using namespace wg;
+    using CL = Cols<D>;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < bc<D>() / 16; ++kk)
+        Wgmma<T, N>::template ss<1, 1>(dq, desc(sdSq + kk * 16 * 128, bc<D>() * 128, 1024),
+                                       desc(sKn + kk * 16 * CL::RB, bc<D>() * CL::RB, CL::SBO, CL::MODE), kk > 0);
+    wgmma_commit();
+}
+
+// step_wide's products of one part (HP columns, from column block b0) of dV_j, dK_j, dQ_i
+template <typename T, int D, int HP>
+__device__ __forceinline__ void wide_products(float* dv_acc, float* dk_acc, float* dq, unsigned sP,
+                                              unsigned sdS, unsigned dob, unsigned qb, unsigned sK,
+                                              unsigned b0) {
+    using namespace wg;
+    using CL = Cols<D>;
+    constexpr int BrB = brb<D>(), Bc = bc<D>();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk)
+        Wgmma<T, HP>::template ss<0, 1>(dv_acc, desc(sP + (kk << 5), 16, 1024),
+                                        desc(dob + b0 * (BrB * CL::RB) + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < BrB / 16; ++kk)
+        Wgmma<T, HP>::template ss<0, 1>(dk_acc, desc(sdS + (kk << 5), 16, 1024),
+                                        desc(qb + b0 * (BrB * CL::RB) + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE), 1);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk)
+        Wgmma<T, HP>::template ss<1, 1>(dq, desc(sdS + kk * 16 * 128, Bc * 128, 1024),
+                                        desc(sK + b0 * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
+    wgmma_commit();
+}
 template <typename T, int D, bool VAR, int WG0, int BAR, int SDQ_LD = 0, typename Slope, typename Read,
           typename Wait, typename Pass>
 __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob, unsigned sdS,
@@ -69,7 +110,7 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
                                      int d, Slope slope, Read read, Wait wait, Pass pass,
                                      float* sdQ = nullptr) {
     using namespace wg;
-    using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32)
+    using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32, 96)
     constexpr int Bc = wgb::Bc, BrB = brb<D>();
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
@@ -178,16 +219,18 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(wgb::THREADS) : "memory");   // every key's dSᵀ
 
     // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × QN columns, k = Bc
+    //    (dq_product; at a D between 64 and 128, such as 96, warpgroup 0 takes columns 0 …
+    //    63 and warpgroup 1 the D − 64 after them, each in its own branch, whose
+    //    instructions have its N: flashsim builds no such instance, NOTES v31)
     constexpr int QB = BrB / 64;                     // query blocks: the warpgroups split
-    constexpr int QN = D < 64 ? D : 64;              // queries (D ≤ 64) or columns (D = 128)
+    constexpr int QN = D < 64 ? D : 64;              // queries (D ≤ 64) or columns (D > 64)
+    constexpr int QN1 = D <= 64 ? D : D - 64;        // warpgroup 1's columns (D > 64)
     const int qblk = th.grp % QB, nblk = th.grp / QB;
     float dq[QN / 2];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk)
-        Wgmma<T, QN>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
-                                        desc(c.sK + nblk * (QN / CL::W) * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
-    wgmma_commit();
+    const unsigned sdSq = sdS + qblk * (Bc * 128), sKn = c.sK + nblk * (QN / CL::W) * (Bc * CL::RB);
+    if constexpr (QN1 == QN) dq_product<T, D, QN>(dq, sdSq, sKn);
+    else if (nblk == 0) dq_product<T, D, QN>(dq, sdSq, sKn);
+    else dq_product<T, D, QN1>(dq, sdSq, sKn);
     wgmma_wait<0>();                                 // and dV_j's, dK_j's products
     fence_regs<QN / 2>(dq);
     fence_regs<D / 2>(dv_acc);
@@ -205,10 +248,12 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     for (int t = 0; t < QN / 8; ++t) {
         const int col = nblk * QN + t * 8 + tig * 2;
         if constexpr (SDQ_LD > 0) {                  // every row: the caller adds `rows` of them
+            if (D % 64 != 0 && col >= D) break;      // (D = 96: warpgroup 1's block past D)
             *reinterpret_cast<float2*>(sdQ + r0 * SDQ_LD + col) = make_float2(scale * dq[4 * t], scale * dq[4 * t + 1]);
             *reinterpret_cast<float2*>(sdQ + r1 * SDQ_LD + col) = make_float2(scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         } else {
-            if (col >= d) break;                     // the instance's columns past d
+            if (col >= d) break;                     // the instance's columns past d (D = 96,
+                                                     // warpgroup 1: past D too)
             if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
             if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         }
@@ -216,11 +261,12 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     pass(turn);
 }
 
-// One step at D = 192 and 256 (step_wide): the CTA's 64 keys meet BrB = 64 queries. dK_j
-// and dV_j (64 × D each) are split by columns: warpgroup h keeps columns H·h … H·h + H − 1
-// of both (H = D/2: 64 + 64 registers per thread at 256, 48 + 48 at 192) and computes that
-// half of dQ_i. The tiles of K_j, V_j, Q_i, dO_i lie as wgmma.cuh's Cols<D> (D = 192: 32-
-// column blocks, the 64-byte swizzle, so that a half is whole blocks). The elementwise work
+// One step above D = 128 (step_wide: D = 160, 192, 224, 256): the CTA's 64 keys meet BrB =
+// 64 queries. dK_j and dV_j (64 × D each) are split by columns: warpgroup h keeps part h
+// of both (wgmma.cuh's Parts: columns 0 … H0 − 1 and H0 … D − 1; H0/2 + H0/2 registers
+// per thread, 64 + 64 at 224 and 256, 48 + 48 at 160 and 192) and computes that part of
+// dQ_i. The tiles of K_j, V_j, Q_i, dO_i lie as wgmma.cuh's Cols<D> (D = 160, 192, 224:
+// 32-column blocks, the 64-byte swizzle, so that a part is whole blocks). The elementwise work
 // is split by queries, so that each warpgroup forms its own scores and no fp32 value
 // crosses between them:
 //   1. warpgroup h: Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ for queries 32·h … 32·h + 31 (64 keys
@@ -241,10 +287,10 @@ __device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i
                                           float* __restrict__ dQacc, int d, Slope slope, Read read, Wait wait,
                                           Pass pass) {
     using namespace wg;
-    static_assert(D == 192 || D == 256, "the wide step is the D = 192 and 256 instances'");
+    static_assert(D > 128 && D % 32 == 0 && D <= 256, "the wide step is the instances' above 128");
     using CL = Cols<D>;
-    constexpr int Bc = bc<D>(), BrB = brb<D>(), H = D / 2, QH = BrB / 2;   // a warpgroup's columns, queries
-    constexpr int HB = H / CL::W;                    // column blocks per half
+    using PT = Parts<D>;                             // warpgroup h's columns: part h
+    constexpr int Bc = bc<D>(), BrB = brb<D>(), H = PT::H0, QH = BrB / 2;   // (the larger part), queries
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
     const Thread<WG0> th;
@@ -331,27 +377,17 @@ __device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i
     asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(THREADS) : "memory");   // every query's Pᵀ, dSᵀ
 
     // 3. dV_j[:, h] += Pᵀ dO_i[:, h], dK_j[:, h] += dSᵀ Q_i[:, h] (k = BrB queries);
-    //    dQ_i[:, h] = scale · dS K_j[:, h] (k = Bc keys). The B operands (MN-major): HB
-    //    column blocks from block HB·h, LBO the block stride
+    //    dQ_i[:, h] = scale · dS K_j[:, h] (k = Bc keys), h the warpgroup's part of the
+    //    columns (wide_products). The B operands (MN-major): the part's column blocks
+    //    from block B0·h, LBO the block stride. Where the parts differ (D = 160, 224)
+    //    each warpgroup takes its own branch, whose instructions have its part's N.
     fence_regs<H / 2>(dv_acc);
     fence_regs<H / 2>(dk_acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BrB / 16; ++kk)
-        Wgmma<T, H>::template ss<0, 1>(dv_acc, desc(sP + (kk << 5), 16, 1024),
-                                       desc(dob + th.grp * HB * (BrB * CL::RB) + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE), 1);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < BrB / 16; ++kk)
-        Wgmma<T, H>::template ss<0, 1>(dk_acc, desc(sdS + (kk << 5), 16, 1024),
-                                       desc(qb + th.grp * HB * (BrB * CL::RB) + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE), 1);
-    wgmma_commit();
     float dq[H / 2];
-#pragma unroll
-    for (int kk = 0; kk < Bc / 16; ++kk)
-        Wgmma<T, H>::template ss<1, 1>(dq, desc(sdS + kk * 16 * 128, Bc * 128, 1024),
-                                       desc(c.sK + th.grp * HB * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
-    wgmma_commit();
+    const unsigned b0 = th.grp * PT::B0;             // the part's first column block
+    if constexpr (PT::H0 == PT::H1) wide_products<T, D, PT::H0>(dv_acc, dk_acc, dq, sP, sdS, dob, qb, c.sK, b0);
+    else if (th.grp == 0) wide_products<T, D, PT::H0>(dv_acc, dk_acc, dq, sP, sdS, dob, qb, c.sK, b0);
+    else wide_products<T, D, PT::H1>(dv_acc, dk_acc, dq, sP, sdS, dob, qb, c.sK, b0);
     wgmma_wait<0>();
     fence_regs<H / 2>(dq);
     fence_regs<H / 2>(dv_acc);
@@ -363,7 +399,8 @@ __device__ __forceinline__ void step_wide(const Tile& c, long long q_row0, int i
 #pragma unroll
     for (int t = 0; t < H / 8; ++t) {
         const int col = th.grp * H + t * 8 + tig * 2;
-        if (col >= d) break;                         // the instance's columns past d
+        if (col >= d) break;                         // the instance's columns past d (and,
+                                                     // part 1, past D: H1 ≤ H)
         if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
         if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
     }
@@ -391,15 +428,17 @@ __device__ __forceinline__ void store_dkv(const Tile& c, const float* dk_acc, co
     }
 }
 
-// The same from step_wide's accumulators: all 64 keys, warpgroup h's columns of dK_j, dV_j
+// The same from step_wide's accumulators: all 64 keys, warpgroup h's part of the columns
+// of dK_j, dV_j (wgmma.cuh's Parts; part 1's registers past H1/2 hold columns past D,
+// which d, dv ≤ D leave unstored)
 template <typename T, int D, int WG0>
 __device__ __forceinline__ void store_dkv_wide(const Tile& c, const float* dk_acc, const float* dv_acc,
                                                T* dKj, T* dVj, int lddk, int lddv, int d, int dv, float scale) {
     const Thread<WG0> th;
     const int kr = th.warp * 16 + (th.lane >> 2), r1 = kr + 8, tig = th.lane & 3;
 #pragma unroll
-    for (int t = 0; t < D / 16; ++t) {
-        const int col = th.grp * (D / 2) + t * 8 + tig * 2;
+    for (int t = 0; t < wg::Parts<D>::H0 / 8; ++t) {
+        const int col = th.grp * wg::Parts<D>::H0 + t * 8 + tig * 2;
         if (kr < c.cols) {
             if (col < d) *reinterpret_cast<unsigned*>(dKj + (long long)kr * lddk + col) = pack<T>(scale * dk_acc[4 * t], scale * dk_acc[4 * t + 1]);
             if (col < dv) *reinterpret_cast<unsigned*>(dVj + (long long)kr * lddv + col) = pack<T>(dv_acc[4 * t], dv_acc[4 * t + 1]);

@@ -41,6 +41,16 @@ template <int D> struct Cols {
     static constexpr unsigned MODE = W == 64 ? 1 : 2;   // the descriptor's swizzle mode
     static __device__ __forceinline__ int swz(int r) { return W == 64 ? (r & 7) : ((r >> 1) & 3); }
 };
+// Above 128 columns a product with D columns of output runs as two (the forward's P V,
+// the wide backward's dV_j, dK_j, dQ_i halves), each an MN-major operand that starts on
+// a column block: part 0 takes H0 = D/2 rounded up to whole blocks, part 1 the H1 = D − H0
+// after it (192: 96 + 96, 256: 128 + 128, 160: 96 + 64, 224: 128 + 96). Register x of part
+// 1 is register H0/2 + x of the whole: the m64nN layouts of the two parts, one after the
+// other, are the m64nD layout of the whole.
+template <int D> struct Parts {
+    static constexpr int H0 = (D / 2 + Cols<D>::W - 1) / Cols<D>::W * Cols<D>::W, H1 = D - H0;
+    static constexpr int B0 = H0 / Cols<D>::W;   // column blocks of part 0
+};
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

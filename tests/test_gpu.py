@@ -29,7 +29,8 @@ SEQS = (1, 7, 113, 128, 203, 1023)
 HEAD_DIMS = (1, 3, 16, 32, 40, 59, 64, 96, 111, 128, 160, 256)
 # head dims the fast rungs run (multiples of 8 up to their largest instance), drawn for d
 # and dv alike: equal to an instance's D, and below it (columns zeroed on chip)
-FAST_HEAD_DIMS = (8, 16, 32, 40, 64, 72, 96, 112, 128, 136, 192, 256)
+FAST_HEAD_DIMS = (8, 16, 24, 32, 40, 64, 72, 88, 96, 112, 128, 136, 152, 160, 176, 192, 216,
+                  224, 256)
 
 
 def on_rung(kernel: str, d: int, dv: int, backward: bool = False):

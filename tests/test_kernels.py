@@ -43,15 +43,15 @@ def test_every_kernel_compiles_without_spills(arch):
     expected = {(i.kernel, i.dtype, i.D, i.variant, i.varlen, inst)
                 for i in kernels.instances() for inst in (False, True)
                 if kernels.source_arch(i.source, arch)}
-    # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: 4 × 2
-    # dtypes × 3 head dims (64, 128, 256) and the softcap/ALiBi and varlen instances of 3 of
-    # them, plus the backward's 2 kernels at 192 (plain, softcap/ALiBi, varlen) × 2; wg
-    # (sm_90a only), plain, softcap/ALiBi and varlen: the forward × 2 dtypes × 6 head dims
-    # (32, 64, 96, 128, 192, 256) and the backward's 2 kernels × 2 × 5 (32, 64, 128, 192, 256); the wg forward
-    # fed by TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and its backward's
-    # 2 kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
-    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (24 + 36) + 2 * 2 * 3
-                                 + (36 + 60 + 12 + 8 if arch == "sm_90" else 0) + 4 * 4)
+    # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: the
+    # backward's pre-pass × 2 dtypes × 3 head dims (64, 128, 256), the forward × 2 × 8 head
+    # dims (32, 64, …, 256) and the backward's 2 kernels × 2 × 7 (all but 224), each plain,
+    # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
+    # forward × 2 dtypes × 8 head dims, the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
+    # TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and its backward's 2
+    # kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2
+    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
+                                 + (48 + 84 + 12 + 8 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)

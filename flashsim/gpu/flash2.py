@@ -334,7 +334,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
     """FlashAttention-2 backward on the GPU: (dq, dk, dv) shaped like q, k, v, or
     (dq, dk, dv, traffic) with ``count_io=True``. lse is read as fp32. ``kernel`` as in
     `attention`: the Hopper main loop ("wg": warpgroup MMAs, compute capability 9.0), the
-    tensor-core one ("tc"; both float16/bfloat16, d and dv multiples of 8 up to 128, tiles
+    tensor-core one ("tc"; both float16/bfloat16, d and dv multiples of 8 up to 256, tiles
     `block_sizes(q, v, backward=True)`) or the reference ("ref").
 
     dQ is summed over the K/V tiles with fp32 atomics, whose order varies from run to
