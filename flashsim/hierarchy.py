@@ -149,6 +149,13 @@ EFFICIENCY = {
     # deterministic mode keeps wg_det's atomics in turns and is taken at wg_det's η (not
     # measured apart)
     ("flash2_bwd_ws", 128): 0.414, ("flash2_bwd_ws_det", 128): 0.302,
+    # the wg D = 160 and 224 instances (wgmma.cuh's Parts) from D = 192 and 256 by their
+    # TF/s at d = D, N = 4096, float16, no mask (analysis/out/bench/hopper_v31.json against
+    # head_dims.json: another process on the same device): forward 351 / 367 and 370 / 440,
+    # backward 200 / 204 and 211 / 226; det by 192's and 256's det / plain
+    ("flash2_fwd_wg", 160): 0.452, ("flash2_fwd_wg", 224): 0.501,
+    ("flash2_bwd_wg", 160): 0.251, ("flash2_bwd_wg_det", 160): 0.209,
+    ("flash2_bwd_wg", 224): 0.261, ("flash2_bwd_wg_det", 224): 0.217,
     ("flash2_fwd", None): 0.00090, ("flash2_bwd_main", None): 0.00090,
 }
 
