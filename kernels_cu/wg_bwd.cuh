@@ -4,7 +4,7 @@
 // elementwise work and dQ's additions of one step of BrB queries against the CTA's K/V
 // tile of Bc keys, which two warpgroups of 64 keys each share (above D = 128, step_wide
 // below: 64 keys, the warpgroups splitting the columns). The tiles of K_j, V_j, Q_i, dO_i
-// lie as wgmma.cuh's Cols<D> (D = 32, 96: 32-column blocks, the 64-byte swizzle). Per step:
+// lie as wgmma.cuh's Cols<D> (D = 32: one 32-column block, the 64-byte swizzle). Per step:
 //   1. Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: A and B from shared memory (K-major), 64 keys ×
 //      BrB queries per warpgroup, two commit groups;
 //   2. once Sᵀ is done: Pᵀ = 2^(Sᵀ·scale·log2e − L·log2e) in registers, and at once
@@ -62,22 +62,8 @@ template <int WG0> struct Thread {
 // apart), for the caller to add to dQacc; wait and pass then bracket those stores.
 struct Turn { int* counter; int mine; };
 
-// dQ_i's block of 64 queries (dSᵀ's query block at sdSq) × N columns (K_j's column blocks
-// from sKn) = dS K_j, k = Bc keys: A = dSᵀ MN-major, B = K_j MN-major. A function of N,
-// not a generic lambda: NVRTC compiles no lambda templates in device code
-template <typename T, int D, int N>
-__device__ __forceinline__ void dq_product(float* dq, unsigned sdSq, unsigned sKn) {
-    using namespace wg;
-    using CL = Cols<D>;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < bc<D>() / 16; ++kk)
-        Wgmma<T, N>::template ss<1, 1>(dq, desc(sdSq + kk * 16 * 128, bc<D>() * 128, 1024),
-                                       desc(sKn + kk * 16 * CL::RB, bc<D>() * CL::RB, CL::SBO, CL::MODE), kk > 0);
-    wgmma_commit();
-}
-
-// step_wide's products of one part (HP columns, from column block b0) of dV_j, dK_j, dQ_i
+// step_wide's products of one part (HP columns, from column block b0) of dV_j, dK_j, dQ_i:
+// a function of HP, not a generic lambda (NVRTC compiles no lambda templates in device code)
 template <typename T, int D, int HP>
 __device__ __forceinline__ void wide_products(float* dv_acc, float* dk_acc, float* dq, unsigned sP,
                                               unsigned sdS, unsigned dob, unsigned qb, unsigned sK,
@@ -110,7 +96,7 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
                                      int d, Slope slope, Read read, Wait wait, Pass pass,
                                      float* sdQ = nullptr) {
     using namespace wg;
-    using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32, 96)
+    using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32)
     constexpr int Bc = wgb::Bc, BrB = brb<D>();
     constexpr float LOG2E = 1.4426950408889634f;
     const float scale_log2 = scale * LOG2E;
@@ -219,18 +205,17 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(wgb::THREADS) : "memory");   // every key's dSᵀ
 
     // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × QN columns, k = Bc
-    //    (dq_product; at a D between 64 and 128, such as 96, warpgroup 0 takes columns 0 …
-    //    63 and warpgroup 1 the D − 64 after them, each in its own branch, whose
-    //    instructions have its N: flashsim builds no such instance, NOTES v31)
+    static_assert(D == 32 || D == 64 || D == 128, "the narrow step's instances");
     constexpr int QB = BrB / 64;                     // query blocks: the warpgroups split
-    constexpr int QN = D < 64 ? D : 64;              // queries (D ≤ 64) or columns (D > 64)
-    constexpr int QN1 = D <= 64 ? D : D - 64;        // warpgroup 1's columns (D > 64)
+    constexpr int QN = D < 64 ? D : 64;              // queries (D ≤ 64) or columns (D = 128)
     const int qblk = th.grp % QB, nblk = th.grp / QB;
     float dq[QN / 2];
-    const unsigned sdSq = sdS + qblk * (Bc * 128), sKn = c.sK + nblk * (QN / CL::W) * (Bc * CL::RB);
-    if constexpr (QN1 == QN) dq_product<T, D, QN>(dq, sdSq, sKn);
-    else if (nblk == 0) dq_product<T, D, QN>(dq, sdSq, sKn);
-    else dq_product<T, D, QN1>(dq, sdSq, sKn);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk)
+        Wgmma<T, QN>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
+                                        desc(c.sK + nblk * (QN / CL::W) * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
+    wgmma_commit();
     wgmma_wait<0>();                                 // and dV_j's, dK_j's products
     fence_regs<QN / 2>(dq);
     fence_regs<D / 2>(dv_acc);
@@ -248,12 +233,10 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     for (int t = 0; t < QN / 8; ++t) {
         const int col = nblk * QN + t * 8 + tig * 2;
         if constexpr (SDQ_LD > 0) {                  // every row: the caller adds `rows` of them
-            if (D % 64 != 0 && col >= D) break;      // (D = 96: warpgroup 1's block past D)
             *reinterpret_cast<float2*>(sdQ + r0 * SDQ_LD + col) = make_float2(scale * dq[4 * t], scale * dq[4 * t + 1]);
             *reinterpret_cast<float2*>(sdQ + r1 * SDQ_LD + col) = make_float2(scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         } else {
-            if (col >= d) break;                     // the instance's columns past d (D = 96,
-                                                     // warpgroup 1: past D too)
+            if (col >= d) break;                     // the instance's columns past d
             if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
             if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         }
