@@ -57,8 +57,8 @@ TC_BLOCKS = {32: (128, 128), 64: (128, 128), 96: (128, 64), 128: (128, 64), 160:
              192: (64, 64), 224: (64, 64), 256: (64, 64)}
 TC_BLOCKS_AMPERE = {32: (128, 64), 64: (128, 64), 96: (128, 64), 128: (128, 64), 160: (64, 64),
                     192: (64, 64), 224: (64, 64), 256: (64, 64)}   # 128 keys at d = 64 spill on sm_80
-# the softcap/ALiBi instance (VAR) on sm_90: 64 keys at d = 32 and 64 too (128 spill there)
-TC_BLOCKS_VAR = {**TC_BLOCKS, 32: (128, 64), 64: (128, 64)}
+# the softcap/ALiBi instance (VAR) on sm_90: 64 keys at d = 64 (128 spill there)
+TC_BLOCKS_VAR = {**TC_BLOCKS, 64: (128, 64)}
 TC_THREADS = {D: 128 for D in TC_HEAD_DIMS}
 TC_THREADS_AMPERE = {**TC_THREADS, 96: 256, 128: 256}
 # backward main loop: (Br, Bc) = (queries per step, keys per CTA), 8 warps; on Ampere
@@ -381,7 +381,7 @@ def threads(kernel: str, d: int, cc: int) -> int:
 REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
               "flash2_bwd_postprocess": 24,
-              "flash2_fwd_tc": {32: 242, 64: 255, 96: 251, 128: 255, 160: 196, 192: 226, 224: 255,
+              "flash2_fwd_tc": {32: 255, 64: 255, 96: 251, 128: 255, 160: 196, 192: 226, 224: 255,
                                 256: 255},
               "flash2_bwd_preprocess_tc": 32,
               "flash2_bwd_tc": {32: 242, 64: 255, 96: 255, 128: 255, 160: 220, 192: 250, 256: 251},

@@ -100,9 +100,9 @@ template <int D> __host__ __device__ constexpr bool late() { return FLASHSIM_TC_
 // at D = 128 (a 128-key S does not fit beside O in 255 registers) and on Ampere (whose
 // ptxas spills the 128-key tile's instrumented build)
 // The softcap/ALiBi instance (VAR) keeps 64 keys at D = 64: with 128 its scores' pass
-// spills on sm_90 (kernels_cu/NOTES.md, v9)
+// spills on sm_90 (kernels_cu/NOTES.md, v9); at D = 32 it has the room and takes 128
 template <int D, bool VAR = false> __host__ __device__ constexpr int bc() {
-    return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : (D <= 64 && !FLASHSIM_TC_AMPERE && !VAR ? 128 : 64);
+    return FLASHSIM_TC_BC ? FLASHSIM_TC_BC : ((D == 32 || (D == 64 && !VAR)) && !FLASHSIM_TC_AMPERE ? 128 : 64);
 }
 
 // Shared tiles are rows of DS halves (ds<D>()) in 16-byte chunks; chunk c of row r lives
