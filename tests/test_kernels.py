@@ -145,24 +145,34 @@ def test_the_build_cache_reuses_reports_until_a_source_changes(tmp_path, monkeyp
 
 
 def test_each_rung_picks_its_own_instance_of_a_head_dim():
-    # the tc backward has a D = 192 instance on 9.0; Ampere's A100 cannot hold its tiles
-    assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=9) == 192
+    # the tc backward has D = 160 and 192 instances on 9.0; Ampere's A100 cannot hold their
+    # tiles; d = 224 runs D = 256 (its own instance's varlen build spilled)
+    assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=9) == 160
+    assert kernels.instance_dim("tc", 168, 168, backward=True, cc_major=9) == 192
     assert kernels.instance_dim("tc", 192, 128, backward=True, cc_major=9) == 192
+    assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=8) == 256
     assert kernels.instance_dim("tc", 192, 192, backward=True, cc_major=8) == 256
     assert kernels.instance_dim("tc", 200, 200, backward=True, cc_major=9) == 256
-    # the forwards and the pre-pass (rows reduced by shuffles: a power of two) keep 256
-    assert kernels.instance_dim("tc", 160, 160) == kernels.pre_instance(160, 160) == 256
-    assert kernels.instance_dim("wg", 160, 160) == 192
-    assert kernels.instance_dim("wg", 200, 128) == 256
-    assert kernels.instance_dim("wg", 160, 160, backward=True) == 192   # step_wide
+    assert kernels.instance_dim("tc", 96, 88, backward=True, cc_major=8) == 96
+    # the forwards have every instance; the pre-pass (rows reduced by shuffles: a power
+    # of two) keeps 64, 128, 256
+    assert kernels.instance_dim("tc", 160, 160) == 160 and kernels.instance_dim("tc", 24, 8) == 32
+    assert kernels.instance_dim("tc", 200, 216) == 224
+    assert kernels.pre_instance(160, 160) == 256 and kernels.pre_instance(96, 96) == 128
+    assert kernels.instance_dim("wg", 160, 160) == 160
+    assert kernels.instance_dim("wg", 200, 128) == 224
+    assert kernels.instance_dim("wg", 160, 160, backward=True) == 160   # step_wide
     assert kernels.instance_dim("wg", 32, 24, backward=True) == 32
     assert kernels.instance_dim("wg", 40, 32, backward=True) == 64
+    assert kernels.instance_dim("wg", 96, 96, backward=True) == 128     # no 96 backward
     assert kernels.instance_dim("wg", 192, 128, backward=True) == 192
-    assert kernels.instance_dim("wg", 200, 128, backward=True) == 256
+    assert kernels.instance_dim("wg", 232, 128, backward=True) == 256
     assert kernels.instance_dim("wg", 264, 264, backward=True) is None
-    assert kernels.instance_dim("tc", 136, 136, backward=True) == 192
-    assert kernels.padded(136, 136, 192) and not kernels.padded(192, 192, 192)
-    assert kernels.padded(192, 192)               # below the forward's 256
+    assert kernels.instance_dim("tc", 136, 136, backward=True) == 160
+    assert kernels.padded(136, 136, 160) and not kernels.padded(192, 192, 192)
+    assert kernels.padded(152, 152)               # below the forward's 160
+    # shared rows of the tc rung: D rounded up to 64 halves
+    assert [kernels.tc_row(D) for D in (32, 64, 96, 160, 224)] == [64, 64, 128, 192, 256]
     # an A100 (166,912 bytes a CTA) runs d = 192 on the D = 256 instance; the 192 one's
     # tiles would fill that to the byte before its static shared memory
     assert kernels.tc_supports(192, 192, "float16", 80, 166912, backward=True)
