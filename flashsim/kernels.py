@@ -69,15 +69,17 @@ TC_THREADS_AMPERE = {**TC_THREADS, 96: 256, 128: 256}
 TC_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 96: (64, 128), 128: (64, 128), 160: (64, 64),
                  192: (64, 64), 256: (32, 64)}
 TC_BWD_BLOCKS_AMPERE = {32: (64, 128), 64: (64, 128), 96: (64, 64), 128: (32, 128),
-                        160: (64, 64), 192: (64, 64), 256: (32, 64)}
+                        160: (64, 64), 192: (32, 64), 256: (32, 64)}
 # the backward's instances: d = 160 and 192 have their own on sm_90, 64 keys in steps of
-# 64 queries; on Ampere their steps of 64 need more shared memory than an A100 gives a
-# CTA, and steps of 32 would split dQ's columns into odd n-tile counts: they run D = 256
-# there (the instances are built for every target, TC_BWD_BLOCKS_AMPERE naming the tiles
-# they have, not launched). d = 224 runs D = 256 everywhere: its varlen instance in steps
-# of 64 spills 20 bytes on sm_90, and steps of 32 split dQ's columns into odd counts
+# 64 queries. On Ampere steps of 64 need more shared memory than an A100 gives a CTA at
+# both; D = 192 takes steps of 32 there (as 256), and d in (128, 192] runs on it (d = 160
+# too: its rows are padded to 192 halves either way); the D = 160 instance is built for
+# every target (TC_BWD_BLOCKS_AMPERE naming its tiles), not launched on Ampere, since
+# steps of 32 would split its dQ columns into odd n-tile counts. d = 224 runs D = 256
+# everywhere: its varlen instance in steps of 64 spills 20 bytes on sm_90, and steps of 32
+# split dQ's columns into odd counts
 TC_BWD_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
-TC_BWD_HEAD_DIMS_AMPERE = (32, 64, 96, 128, 256)
+TC_BWD_HEAD_DIMS_AMPERE = (32, 64, 96, 128, 192, 256)
 # the backward pre-pass's instances (D/8 lanes of a row reduce by shuffles: powers of two)
 PRE_HEAD_DIMS = (64, 128, 256)
 
@@ -401,8 +403,8 @@ REGISTERS = {
               "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
                                 256: 254},
               "flash2_bwd_preprocess_tc": 28,
-              "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 248, 256: 250},
-              "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 240,
+              "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},
+              "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 108, 128: 160}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
               "splitkv_fwd_tc_m64": {64: 153, 128: 213}},

@@ -62,11 +62,14 @@ namespace tc {
 // Ampere (sm_8x) gets D = 96 and 128 tiles of the same Br × Bc with fewer registers per
 // thread (8 warps × 1 m-tile forward; at 128 32-row backward steps): the sm_90 choices
 // need 251-255 registers there and ptxas for sm_8x spills a few. flashsim/kernels.py
-// mirrors this.
+// mirrors this. The CPU emulation of an Ampere device (fs.gpu.emulated(compute_capability=80))
+// defines the macro itself, having no __CUDA_ARCH__.
+#ifndef FLASHSIM_TC_AMPERE
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define FLASHSIM_TC_AMPERE 1
 #else
 #define FLASHSIM_TC_AMPERE 0
+#endif
 #endif
 template <int D> __host__ __device__ constexpr bool ampere8w() { return FLASHSIM_TC_AMPERE && (D == 96 || D == 128); }
 // Shared tiles hold rows of DS = ds<D>() halves: D rounded up to a multiple of 64, so that
@@ -500,7 +503,7 @@ namespace tcb {
 #endif
 template <int D> __host__ __device__ constexpr int brb() {
     return FLASHSIM_TCB_BRB ? FLASHSIM_TCB_BRB
-         : D > 128 ? (D == 256 ? 32 : 64)                  // 160, 192, 224: 64; 256: 32
+         : D > 128 ? (D == 256 || (FLASHSIM_TC_AMPERE && D == 192) ? 32 : 64)   // 256: 32
          : FLASHSIM_TC_AMPERE ? (D == 128 ? 32 : 64)
          : (D <= 64 ? 128 : 64);                           // 32 as 64, 96 as 128
 }

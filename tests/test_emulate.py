@@ -77,6 +77,44 @@ def test_tensor_core_backward_matches_simulator(problem, deterministic):
         G.check_backward(*problem, kernel="tc", deterministic=deterministic)
 
 
+# the same rung in its Ampere configuration (the emulation playing compute capability 8.0):
+# its own tiles, warps and steps (fs.kernels.TC_BLOCKS_AMPERE, TC_THREADS_AMPERE,
+# TC_BWD_BLOCKS_AMPERE, TC_BWD_HEAD_DIMS_AMPERE), which no test on an H100 runs
+@EMU
+@given(G.gpu_problems(max_seq=160, head_dims=G.FAST_HEAD_DIMS, dtypes=TC_DTYPES,
+                      any_blocks=False, dv_dims=G.FAST_HEAD_DIMS), st.booleans())
+def test_tensor_core_ampere_forward_and_backward_match_simulator(problem, deterministic):
+    with fs.gpu.emulated(compute_capability=80), pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_forward(*problem, kernel="tc")
+        G.check_backward(*problem, kernel="tc", deterministic=deterministic)
+
+
+@EMU
+@given(G.fast_variant_problems(dtypes=TC_DTYPES, max_seq=200), st.booleans())
+def test_tensor_core_ampere_variants_match_the_simulator(problem, deterministic):
+    with fs.gpu.emulated(compute_capability=80), pytest.MonkeyPatch.context() as m:
+        G.poison_outputs(m)
+        G.check_variants_forward(*problem, kernel="tc")
+        G.check_variants_backward(*problem, deterministic, kernel="tc")
+
+
+@pytest.mark.parametrize("cc", [90, 80])
+def test_the_emulation_plays_each_compute_capability_with_its_tiles(cc):
+    ampere = cc < 90
+    with fs.gpu.emulated(compute_capability=cc):
+        assert fs.gpu.smem_limit() == (163 if ampere else 227) * 1024
+        for d in (96, 128, 160, 192, 224):
+            q = np.zeros((1, 8, d), np.float16)
+            D = fs.kernels.instance_dim("tc", d, d, backward=True, cc_major=cc // 10)
+            assert fs.gpu.block_sizes(q, q, backward=True, kernel="tc") == \
+                fs.kernels.tc_bwd_blocks(D, cc // 10)
+            assert fs.gpu.block_sizes(q, q, kernel="tc") == fs.kernels.tc_blocks(d, cc // 10)
+    # an A100 runs d = 160 on the D = 192 backward, an H100 on its own
+    assert fs.kernels.instance_dim("tc", 160, 160, backward=True, cc_major=8) == 192
+    assert fs.kernels.instance_dim("tc", 160, 160, backward=True, cc_major=9) == 160
+
+
 @EMU
 @given(G.fast_variant_problems(dtypes=TC_DTYPES, max_seq=260))
 def test_tensor_core_variants_forward_match_the_simulator(problem):
@@ -222,6 +260,13 @@ def test_emulation_is_scoped_and_checked():
     with pytest.raises(TypeError, match="True or False"):
         with fs.gpu.emulated("yes"):
             pass
+    for cc in (86, "80", True):
+        with pytest.raises(ValueError, match="90 .an H100. or 80"):
+            with fs.gpu.emulated(compute_capability=cc):
+                pass
+    with fs.gpu.emulated(compute_capability=80):
+        assert fs.gpu.is_emulated() and fs.gpu._device.emulated_cc() == 80
+    assert fs.gpu._device.emulated_cc() == 90
 
 
 def test_a_launch_error_is_raised_not_crashed():

@@ -145,13 +145,16 @@ def test_the_build_cache_reuses_reports_until_a_source_changes(tmp_path, monkeyp
 
 
 def test_each_rung_picks_its_own_instance_of_a_head_dim():
-    # the tc backward has D = 160 and 192 instances on 9.0; Ampere's A100 cannot hold their
-    # tiles; d = 224 runs D = 256 (its own instance's varlen build spilled)
+    # the tc backward has D = 160 and 192 instances on 9.0; on Ampere, whose A100 cannot
+    # hold their steps of 64, D = 192 takes steps of 32 and runs d = 160 too; d = 224 runs
+    # D = 256 (its own instance's varlen build spilled)
     assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=9) == 160
     assert kernels.instance_dim("tc", 168, 168, backward=True, cc_major=9) == 192
     assert kernels.instance_dim("tc", 192, 128, backward=True, cc_major=9) == 192
-    assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=8) == 256
-    assert kernels.instance_dim("tc", 192, 192, backward=True, cc_major=8) == 256
+    assert kernels.instance_dim("tc", 160, 160, backward=True, cc_major=8) == 192
+    assert kernels.instance_dim("tc", 192, 192, backward=True, cc_major=8) == 192
+    assert kernels.instance_dim("tc", 200, 192, backward=True, cc_major=8) == 256
+    assert kernels.tc_bwd_blocks(192, 8) == (32, 64) and kernels.tc_bwd_blocks(192, 9) == (64, 64)
     assert kernels.instance_dim("tc", 200, 200, backward=True, cc_major=9) == 256
     assert kernels.instance_dim("tc", 96, 88, backward=True, cc_major=8) == 96
     # the forwards have every instance; the pre-pass (rows reduced by shuffles: a power
@@ -173,11 +176,13 @@ def test_each_rung_picks_its_own_instance_of_a_head_dim():
     assert kernels.padded(152, 152)               # below the forward's 160
     # shared rows of the tc rung: D rounded up to 64 halves
     assert [kernels.tc_row(D) for D in (32, 64, 96, 160, 224)] == [64, 64, 128, 192, 256]
-    # an A100 (166,912 bytes a CTA) runs d = 192 on the D = 256 instance; the 192 one's
-    # tiles would fill that to the byte before its static shared memory
+    # an A100 (166,912 bytes a CTA): the 192 instance's sm_90 steps of 64 would fill that
+    # to the byte before its static shared memory; its steps of 32 take 109,056
     assert kernels.tc_supports(192, 192, "float16", 80, 166912, backward=True)
     assert kernels.smem_bytes("flash2_bwd_tc", *kernels.TC_BWD_BLOCKS[192], 192, 192,
                               "float16") == 166912
+    assert kernels.smem_bytes("flash2_bwd_tc", *kernels.TC_BWD_BLOCKS_AMPERE[192], 192, 192,
+                              "float16") == 109056
 
 
 def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():

@@ -29,6 +29,9 @@ class GPUUnavailableError(RuntimeError):
 
 
 _EMULATED = [os.environ.get("FLASHSIM_EMULATE", "0") not in ("", "0")]
+# the compute capability the emulation plays (emulated(compute_capability=...))
+EMULATED_CCS = (90, 80)
+_EMULATED_CC = [90]
 
 
 def is_emulated() -> bool:
@@ -36,8 +39,13 @@ def is_emulated() -> bool:
     return _EMULATED[0]
 
 
+def emulated_cc() -> int:
+    """The compute capability (90 or 80) the CPU emulation plays (see `emulated`)."""
+    return _EMULATED_CC[0]
+
+
 @contextlib.contextmanager
-def emulated(enabled: bool = True):
+def emulated(enabled: bool = True, *, compute_capability: int = 90):
     """Run flashsim.gpu on the CPU inside this block: the reference rung's CUDA source,
     compiled by the host's C++ compiler, launched with the same grids, arguments and
     shared memory, on NumPy arrays (or PyTorch CPU tensors). Outputs and ``count_io``
@@ -47,15 +55,23 @@ def emulated(enabled: bool = True):
 
         with fs.gpu.emulated():
             out, lse, traffic = fs.gpu.attention(q, k, v, count_io=True)
+
+    ``compute_capability``: 90 (default) plays an H100 (227 KB of shared memory per CTA)
+    and builds the mma.sync rung (``kernel="tc"``) in its sm_90 configuration; 80 plays
+    an A100 (163 KB) and builds that rung's Ampere tiles, warps and steps, which the
+    device tests never run without an Ampere GPU.
     """
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"enabled must be True or False, got {enabled!r}")
-    before = _EMULATED[0]
-    _EMULATED[0] = bool(enabled)
+    if compute_capability not in EMULATED_CCS or isinstance(compute_capability, bool):
+        raise ValueError(f"the emulation plays compute capability 90 (an H100) or 80 (an "
+                         f"A100), got {compute_capability!r}")
+    before = _EMULATED[0], _EMULATED_CC[0]
+    _EMULATED[0], _EMULATED_CC[0] = bool(enabled), int(compute_capability)
     try:
         yield
     finally:
-        _EMULATED[0] = before
+        _EMULATED[0], _EMULATED_CC[0] = before
 
 
 def pointer(a) -> int:

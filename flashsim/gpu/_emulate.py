@@ -33,7 +33,19 @@ import numpy as np
 from .. import kernels as K
 
 DEVICE_ID = -1              # the emulated device's id: caches keyed by device never mix it up
-SMEM_BYTES = 227 * 1024     # what one block may opt in to, as on an H100
+SMEM_BYTES = 227 * 1024     # the host's shared-memory buffer: what an H100's block may opt in to
+# per compute capability played (_device.emulated): the device's id (each its own, so that
+# caches keyed by device keep the two apart), and the shared memory one CTA may opt in to
+DEVICE_IDS = {90: DEVICE_ID, 80: -2}
+SMEM_OPTIN = {90: SMEM_BYTES, 80: 163 * 1024}
+
+
+def played_cc(device=None) -> int:
+    """The compute capability of emulated device ``device`` (None: the one in play)."""
+    from ._device import emulated_cc
+    if device is None:
+        return emulated_cc()
+    return next(cc for cc, i in DEVICE_IDS.items() if i == device)
 _SMEM = re.compile(r"\bextern\s+__shared__\b([^;]*?)(\w+)\s*\[\s*\]\s*;")
 
 
@@ -93,6 +105,8 @@ class RawModule:
         if reason is not None:
             raise GPUUnavailableError(f"the CPU emulation cannot build kernels: {reason}")
         flags = [o for o in options if o.startswith(("-I", "-D"))] + ["-DFLASHSIM_HOST"]
+        if played_cc() < 90:    # the mma.sync rung's Ampere configuration (flash2_tc.cu)
+            flags.append("-DFLASHSIM_TC_AMPERE=1")
         cxx = compiler()
         host_emu = (K.kernel_dir() / "host_emu.h").read_text()
         key = hashlib.sha256("\0".join((code, host_emu, *flags, *_CXXFLAGS, *name_expressions, cxx,
@@ -194,12 +208,16 @@ def _c_value(a):
 
 class _Device:
     """cupy.cuda.Device for the emulated device."""
-    # the host build of the mma.sync rung is its sm_90 configuration (no __CUDA_ARCH__);
+    # the host build of the mma.sync rung is its sm_90 configuration (no __CUDA_ARCH__), or
+    # its Ampere one when the emulation plays 8.0 (FLASHSIM_TC_AMPERE defined by RawModule);
     # "auto" still picks the reference rung here (flashsim.gpu.flash2._choose)
-    compute_capability = "90"
 
     def __init__(self, device=None):
-        self.id = DEVICE_ID
+        self.id = DEVICE_IDS[played_cc()] if device is None else device
+
+    @property
+    def compute_capability(self) -> str:
+        return str(played_cc(self.id))
 
     def __enter__(self):
         return self
@@ -218,7 +236,8 @@ class _Runtime:
 
     @staticmethod
     def getDeviceProperties(device):
-        return {"name": b"flashsim CPU emulation", "sharedMemPerBlockOptin": SMEM_BYTES,
+        return {"name": b"flashsim CPU emulation",
+                "sharedMemPerBlockOptin": SMEM_OPTIN[played_cc(device)],
                 "sharedMemPerBlock": 48 * 1024, "multiProcessorCount": 1}
 
 
