@@ -59,10 +59,10 @@ def run(cfg, variant, rng):
     try:
         if variant is not None:
             ks = variant_kernels(variant)
-            K.SPLITKV_STAGES = variant
-            gd.dev.kernel = lambda name, dtype, count_io, D=None: (
+            K.SPLITKV_STAGES = {r: variant for r in K.SPLITKV_ROWS}
+            gd.dev.kernel = lambda name, dtype, count_io, D=None, *more: (
                 ks[name + str(D) + dtype] if name.startswith("splitkv_fwd") else
-                real_kernel(name, dtype, count_io, D))
+                real_kernel(name, dtype, count_io, D, *more))
         pr = gd._problem(q, kc, vc, lens, None, None, None)
         plan = gd._plan(pr, None)
         launch, O, Lse, _ = gd._prepare(pr, plan, False, 1 / math.sqrt(D), False)

@@ -217,7 +217,8 @@ def source_arch(source: str, arch: str) -> str | None:
 SPLITKV_HEAD_DIMS = (64, 128)
 SPLITKV_ROWS = (16, 32, 64)
 SPLITKV_BC = 64
-SPLITKV_STAGES = 2           # K/V tiles in flight per CTA (splitkv_tc.cu: STAGES)
+# K/V tiles in flight per CTA, per Br (splitkv_tc.cu: stages<WM>)
+SPLITKV_STAGES = {16: 3, 32: 2, 64: 2}
 SPLITKV_THREADS = 128
 SPLITKV_PAGE_CHUNK = 128     # page ids staged in shared memory at a time
 SPLITKV_PAGE_MULTIPLE = 16   # page sizes the kernels take: multiples of this many rows
@@ -396,7 +397,7 @@ REGISTERS = {
                                     256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
               "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
               "kvcache_append": 32,
-              "splitkv_fwd_tc_m16": {64: 113, 128: 167}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
+              "splitkv_fwd_tc_m16": {64: 119, 128: 171}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
               "splitkv_fwd_tc_m64": {64: 161, 128: 219}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 22,
@@ -406,7 +407,7 @@ REGISTERS = {
               "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},
               "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,
-              "splitkv_fwd_tc_m16": {64: 108, 128: 160}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
+              "splitkv_fwd_tc_m16": {64: 113, 128: 164}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
               "splitkv_fwd_tc_m64": {64: 153, 128: 213}},
 }
 
@@ -623,7 +624,7 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         # Q_i; K_j, V_j in STAGES; staged page ids; each key group's m, ℓ and weight
         # per row (the merge's O reuses the K/V stages)
         WN = SPLITKV_THREADS // 32 // (Br // 16)
-        return ((Br * d + 2 * SPLITKV_STAGES * Bc * d) * 2 + SPLITKV_PAGE_CHUNK * 4
+        return ((Br * d + 2 * SPLITKV_STAGES[Br] * Bc * d) * 2 + SPLITKV_PAGE_CHUNK * 4
                 + 3 * WN * Br * 4)
     return 0
 

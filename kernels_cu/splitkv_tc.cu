@@ -47,13 +47,18 @@ constexpr int WARPS = 4, THREADS = 32 * WARPS;
 constexpr int Bc = 64;                 // keys per K/V tile (kernels.py: SPLITKV_BC)
 constexpr int PAGE_CHUNK = THREADS;    // page ids staged in shared memory at a time
 
-// K/V tiles in flight per CTA (kernels.py: SPLITKV_STAGES): 2, so that two to three CTAs
-// share an SM (on an H100, 3 stages ran 1% faster to 2% slower at Nq = 1 and 65% slower
-// at 64 packed rows, 4 stages 25% slower: NOTES.md v8); the macro exists for analysis/tune_decode.py, which builds and times variants side by side
+// K/V tiles in flight per CTA (kernels.py: SPLITKV_STAGES, per Br): 3 in the 16-row
+// kernel (decoding's Nq = 1 and GQA groups up to 16 rows; two CTAs still share an SM, and
+// with the launcher's fewer, longer parts it ran 0.79–0.99× the time of 2 stages on an
+// H100: NOTES.md v33), 2 in the 32- and 64-row ones (3 would leave the 64-row tile one
+// CTA per SM, and ran up to 5% slower there). FLASHSIM_SKV_STAGES > 0 sets every kernel's,
+// for analysis/tune_decode.py, which builds and times variants side by side.
 #ifndef FLASHSIM_SKV_STAGES
-#define FLASHSIM_SKV_STAGES 2
+#define FLASHSIM_SKV_STAGES 0
 #endif
-constexpr int STAGES = FLASHSIM_SKV_STAGES;
+template <int WM> __host__ __device__ constexpr int stages() {
+    return FLASHSIM_SKV_STAGES > 0 ? FLASHSIM_SKV_STAGES : (WM == 1 ? 3 : 2);
+}
 
 // Element offset of 16-byte chunk c of row r in a swizzled tile of D-wide rows: chunk c
 // of row r sits at chunk c ^ (r & 7), so the 8 rows one ldmatrix reads hit 8 bank groups.
@@ -239,6 +244,7 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     constexpr int NT = KW / 8;                // its n-tiles of S
     constexpr int Br = 16 * WM;               // packed query rows per Q tile
     constexpr int CH = D / 8;                 // 16-byte chunks per row
+    constexpr int STAGES = stages<WM>();      // K/V tiles in flight
     constexpr int RPI = THREADS / CH;         // rows per load pass
     static_assert(KW % 16 == 0, "each warp's keys must be whole k-steps of P V");
 

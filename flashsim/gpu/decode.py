@@ -206,9 +206,18 @@ def _plan(pr: _Problem, num_splits) -> KVCachePlan:
                                       registers=K.registers(name, pr.d, cc), smem=smem,
                                       smem_per_sm=smem_per_sm))
         longest = int((pr.seqlens + pr.Nnew).max())
+        if Br == 16:
+            # the 16-row kernel (3 K/V tiles in flight per CTA) fills the SMs one CTA
+            # each, and counts every part's fixed costs (its Q tile, its first K/V tile's
+            # latency, its partial and counter) as a 64-row combine: fewer, longer parts,
+            # 0.79–1.0× the time of the occupancy rule's at Nq = 1 and 4 on an H100,
+            # long caches included (kernels_cu/NOTES.md v33)
+            per_sm, rows = 1, 64
+        else:
+            rows = min(Br, M)
         s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, sms, cdiv(longest, Bc),
                                  ctas_per_sm=per_sm, balance_waves=True,
-                                 combine_rows=min(Br, M), Bc=Bc)
+                                 combine_rows=rows, Bc=Bc)
     else:
         s = check_size("num_splits", num_splits, 1)
         if s > 65535:
