@@ -1,6 +1,7 @@
 """Variants of the decoding kernel (kernels_cu/splitkv_tc.cu) built side by side and timed
 in one process on a few decoding steps, beside SDPA's flash and cuDNN backends: the K/V
-tiles in flight (FLASHSIM_SKV_STAGES).
+tiles in flight (FLASHSIM_SKV_STAGES, set for every split kernel: the shipped build keeps 3 in
+the 16-row kernel and 2 in the others, kernels.SPLITKV_STAGES).
 
     python3 analysis/tune_decode.py [--stages 2,3,4] [--out analysis/out/bench]
 
