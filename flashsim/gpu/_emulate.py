@@ -43,9 +43,8 @@ SMEM_OPTIN = {90: SMEM_BYTES, 80: 163 * 1024}
 def played_cc(device=None) -> int:
     """The compute capability of emulated device ``device`` (None: the one in play)."""
     from ._device import emulated_cc
-    if device is None:
-        return emulated_cc()
-    return next(cc for cc, i in DEVICE_IDS.items() if i == device)
+    # an id not the emulation's own (a caller's Device(0)) is the device in play
+    return next((cc for cc, i in DEVICE_IDS.items() if i == device), emulated_cc())
 _SMEM = re.compile(r"\bextern\s+__shared__\b([^;]*?)(\w+)\s*\[\s*\]\s*;")
 
 
