@@ -397,7 +397,7 @@ REGISTERS = {
                                     256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
               "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
               "kvcache_append": 32,
-              "splitkv_fwd_tc_m16": {64: 119, 128: 171}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
+              "splitkv_fwd_tc_m16": {64: 152, 128: 173}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
               "splitkv_fwd_tc_m64": {64: 161, 128: 219}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 22,
@@ -407,7 +407,7 @@ REGISTERS = {
               "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},
               "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,
-              "splitkv_fwd_tc_m16": {64: 113, 128: 164}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
+              "splitkv_fwd_tc_m16": {64: 144, 128: 166}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
               "splitkv_fwd_tc_m64": {64: 153, 128: 213}},
 }
 

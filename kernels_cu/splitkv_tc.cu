@@ -32,7 +32,8 @@
 //                                into O (I/O type) and L (fp32): the combine, without a
 //                                second launch (a counter per Q tile in `sem`, reset by
 //                                the CTA that merges), its threads spread over the rows
-//                                and columns with many parts' loads in flight.
+//                                and columns with many parts' loads in flight (a tile
+//                                of few rows: one online pass, a thread per 4 columns).
 //
 // Layouts: q and O (batch, Nq, heads, D); L (batch, heads, Nq); the caches (pages,
 // page_rows, kv_heads, D), a contiguous cache being one page of `capacity` rows per
@@ -224,6 +225,63 @@ __device__ __forceinline__ void combine_tile(const float* Osplit, const float* L
 #pragma unroll
         for (int e = 0; e < 4; ++e) dst[e] = from_acc<T>(acc[e]);
     }
+}
+
+// The same merge for a tile of few rows in the 16-row kernel (rows · D/4 ≤ the CTA's
+// threads: Nq = 1 with up to 4 query heads per K/V head at d = 128, 8 at d = 64): a thread
+// per 4 columns of a row
+// loads every part's L and those 4 columns of O, CH parts at a time all in flight, and
+// merges them online (a running max, the sums rescaled to it): one pass over the
+// partials, no shared memory, no barrier, one L2 round trip per CH parts where
+// combine_tile waits for three (L for the max, L again for the sum, L and O for the
+// weights). At Nq = 1 the combine was ~3 µs of a 13–20 µs decoding step on an H100
+// (NOTES.md v34).
+template <typename T, int D>
+__device__ __forceinline__ void combine_few(const float* Osplit, const float* Lsplit, T* O, float* L,
+                                            long long row0, long long stride, int i0, int rows,
+                                            int b, int kvh, int G, int Nq, int heads, int n,
+                                            int s, int tid) {
+    constexpr int C4 = D / 4, CH = 8;
+    if (tid >= rows * C4) return;
+    const int r = tid / C4, c = (tid % C4) * 4;
+    auto nonempty = [&](int p) { return (long long)n * p / s < (long long)n * (p + 1) / s; };
+    const bool all = n >= s;                              // every part has a partial
+    const float* l = Lsplit + row0 + r;
+    const float* src = Osplit + (row0 + r) * D + c;
+    float m = neg_inf<float>(), sum = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p0 = 0; p0 < s; p0 += CH) {
+        float lv[CH];
+        float4 ov[CH];
+#pragma unroll
+        for (int u = 0; u < CH; ++u) {                    // the loads first, all of them
+            const int p = p0 + u;
+            const bool ok = p < s && (all || nonempty(p));
+            lv[u] = ok ? __ldcg(l + p * stride) : neg_inf<float>();
+            ov[u] = ok ? __ldcg(reinterpret_cast<const float4*>(src + p * stride * D))
+                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        float mx = m;
+#pragma unroll
+        for (int u = 0; u < CH; ++u) mx = fmaxf(mx, lv[u]);
+        if (is_neg_inf(mx)) continue;                     // no part with a key yet
+        const float a = expf(m - mx);                     // 0 while m = −∞
+        sum *= a;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] *= a;
+#pragma unroll
+        for (int u = 0; u < CH; ++u) {
+            const float w = expf(lv[u] - mx);             // 0 for a part without keys
+            sum += w;
+            acc[0] += w * ov[u].x; acc[1] += w * ov[u].y; acc[2] += w * ov[u].z; acc[3] += w * ov[u].w;
+        }
+        m = mx;
+    }
+    const int q = i0 + r;
+    if (c == 0) L[((long long)b * heads + kvh * G + q % G) * Nq + q / G] = sum > 0.0f ? m + logf(sum) : neg_inf<float>();
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;     // a row with no key: O = 0
+    T* dst = O + (((long long)b * Nq + q / G) * heads + kvh * G + q % G) * D + c;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[e] = from_acc<T>(acc[e] * inv);
 }
 
 // -- split-KV attention --------------------------------------------------------------------
@@ -549,8 +607,12 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     COUNT_IO(io, IO_Lsplit_R, (long long)parts * rows * 4);          // HBM→SRAM: Lsplit_ip
     COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));           // SRAM→HBM: O_i
     COUNT_IO(io, IO_L_W, (long long)rows * 4);                       // SRAM→HBM: L_i
-    combine_tile<T, D>(Osplit, Lsplit, O, L, sM, (long long)z * M + i0, (long long)gridDim.z * M,
-                       i0, rows, b, kvh, G, Nq, heads, part.n, s, tid);
+    if (WM == 1 && rows * (D / 4) <= THREADS)   // (the 16-row kernel's: the others keep theirs)
+        combine_few<T, D>(Osplit, Lsplit, O, L, (long long)z * M + i0, (long long)gridDim.z * M,
+                          i0, rows, b, kvh, G, Nq, heads, part.n, s, tid);
+    else
+        combine_tile<T, D>(Osplit, Lsplit, O, L, sM, (long long)z * M + i0, (long long)gridDim.z * M,
+                           i0, rows, b, kvh, G, Nq, heads, part.n, s, tid);
     if (tid == 0) *done = 0;        // ready for the next launch
 }
 
