@@ -45,6 +45,8 @@ def played_cc(device=None) -> int:
     from ._device import emulated_cc
     # an id not the emulation's own (a caller's Device(0)) is the device in play
     return next((cc for cc, i in DEVICE_IDS.items() if i == device), emulated_cc())
+
+
 _SMEM = re.compile(r"\bextern\s+__shared__\b([^;]*?)(\w+)\s*\[\s*\]\s*;")
 
 

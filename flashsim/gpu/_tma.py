@@ -16,8 +16,9 @@ rules assume. A head dim w below the instance's D (d of Q and K, dv of V) makes 
 boxes' columns past w lie outside it too, and arrive as zeros, which is what the kernels'
 instance of D needs of them (the cp.async kernels zero them on chip). Layouts that do
 not decompose so (or whose strides TMA cannot take: a multiple of 16 bytes) return None,
-and the launcher runs flash2_wg.cu's kernels, which copy with cp.async. The maps are encoded on the host by the driver's
-cuTensorMapEncodeTiled, through ctypes (CuPy does not wrap it)."""
+and the launcher runs flash2_wg.cu's kernels, which copy with cp.async. The maps are
+encoded on the host by the driver's cuTensorMapEncodeTiled, through ctypes (CuPy does
+not wrap it)."""
 
 from __future__ import annotations
 

@@ -201,20 +201,20 @@ def _plan(pr: _Problem, num_splits) -> KVCachePlan:
     Tr = cdiv(M, Br)
     if num_splits is None:
         sms, cc, smem_per_sm = _device_sms()
-        smem = K.smem_bytes(name, Br, Bc, pr.d, pr.d, pr.q.dtype)
-        per_sm = max(1, K.ctas_per_sm(threads=K.SPLITKV_THREADS,
-                                      registers=K.registers(name, pr.d, cc), smem=smem,
-                                      smem_per_sm=smem_per_sm))
-        longest = int((pr.seqlens + pr.Nnew).max())
         if Br == 16:
             # the 16-row kernel (3 K/V tiles in flight per CTA) fills the SMs one CTA
             # each, and counts every part's fixed costs (its Q tile, its first K/V tile's
-            # latency, its partial and counter) as a 64-row combine: fewer, longer parts,
-            # 0.79–1.0× the time of the occupancy rule's at Nq = 1 and 4 on an H100,
-            # long caches included (kernels_cu/NOTES.md v33)
+            # latency, its partial and counter) as a 64-row combine: fewer, longer parts;
+            # with the 3 stages, 0.77–1.04× (mean 0.93×) the time of 2 stages and the
+            # occupancy rule over 48 decoding steps on an H100 (kernels_cu/NOTES.md v33)
             per_sm, rows = 1, 64
         else:
+            smem = K.smem_bytes(name, Br, Bc, pr.d, pr.d, pr.q.dtype)
+            per_sm = max(1, K.ctas_per_sm(threads=K.SPLITKV_THREADS,
+                                          registers=K.registers(name, pr.d, cc), smem=smem,
+                                          smem_per_sm=smem_per_sm))
             rows = min(Br, M)
+        longest = int((pr.seqlens + pr.Nnew).max())
         s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, sms, cdiv(longest, Bc),
                                  ctas_per_sm=per_sm, balance_waves=True,
                                  combine_rows=rows, Bc=Bc)
