@@ -38,7 +38,8 @@ SOURCES = {
                         "standard_bwd_dq", "standard_bwd_dk"),
     "square_ref.cu": ("square_fwd_scores", "square_fwd_out"),
     "splitkv_tc.cu": ("kvcache_append", "splitkv_fwd_tc_m16", "splitkv_fwd_tc_m32",
-                      "splitkv_fwd_tc_m64"),
+                      "splitkv_fwd_tc_m64", "splitkv_fwd_tc_cl2", "splitkv_fwd_tc_cl4",
+                      "splitkv_fwd_tc_cl8"),
 }
 # Sources built for one architecture only, by its arch-specific target: the Hopper rung
 # uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
@@ -224,6 +225,13 @@ SPLITKV_PAGE_CHUNK = 128     # page ids staged in shared memory at a time
 SPLITKV_PAGE_MULTIPLE = 16   # page sizes the kernels take: multiples of this many rows
 
 
+# The 16-row tile's parts as one thread block cluster (compute capability 9.0): s = CL
+# parts of a Q tile merge through distributed shared memory, no partial in memory;
+# splitkv_fwd_tc_cl<CL> is the instance for CL parts (a cluster of up to 8 CTAs is
+# portable)
+SPLITKV_CLUSTERS = (2, 4, 8)
+
+
 def splitkv_rows(packed_rows: int) -> int:
     """Br of the decoding kernel for this many packed query rows per K/V head."""
     return next((r for r in SPLITKV_ROWS if packed_rows <= r), SPLITKV_ROWS[-1])
@@ -398,7 +406,8 @@ REGISTERS = {
               "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 152, 128: 173}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
-              "splitkv_fwd_tc_m64": {64: 161, 128: 219}},
+              "splitkv_fwd_tc_m64": {64: 161, 128: 219},
+              **{f"splitkv_fwd_tc_cl{c}": {64: 110, 128: 160} for c in (2, 4, 8)}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 22,
               "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
@@ -408,7 +417,9 @@ REGISTERS = {
               "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 144, 128: 166}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
-              "splitkv_fwd_tc_m64": {64: 153, 128: 213}},
+              "splitkv_fwd_tc_m64": {64: 153, 128: 213},
+              # built (one module per source), not launched: no clusters before 9.0
+              **{f"splitkv_fwd_tc_cl{c}": {64: 111, 128: 158} for c in (2, 4, 8)}},
 }
 
 
@@ -521,6 +532,10 @@ def _splitkv_instance(k: str, dt: str, D: int) -> Instance:
         WM = int(k.rsplit("_m", 1)[1]) // 16
         return Instance(src, k, dt, D, f"splitkv_fwd_tc<{T}, {D}, {WM}>",
                         f"_Z14splitkv_fwd_tcI{mT}Li{D}ELi{WM}EE")
+    if k.startswith("splitkv_fwd_tc_cl"):
+        CL = int(k.rsplit("_cl", 1)[1])
+        return Instance(src, k, dt, D, f"splitkv_fwd_tc_cl<{T}, {D}, {CL}>",
+                        f"_Z17splitkv_fwd_tc_clI{mT}Li{D}ELi{CL}EE")
     return Instance(src, k, dt, D, f"{k}<{T}, {D}>", f"_Z{len(k)}{k}I{mT}Li{D}EE")
 
 
@@ -620,9 +635,9 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (Br * Br + 2 * Br * min(Br, d) + Br) * a
     if kernel == "square_fwd_out":      # E_ij, V_j[:, c], O_i[:, c]; m, ℓ, m̃ and two weights
         return (Br * Br + 2 * Br * min(Br, dv) + 5 * Br) * a
-    if kernel.startswith("splitkv_fwd_tc_m"):
+    if kernel.startswith("splitkv_fwd_tc_"):
         # Q_i; K_j, V_j in STAGES; staged page ids; each key group's m, ℓ and weight
-        # per row (the merge's O reuses the K/V stages)
+        # per row (the merge's O, and a cluster's partial, reuse the K/V stages)
         WN = SPLITKV_THREADS // 32 // (Br // 16)
         return ((Br * d + 2 * SPLITKV_STAGES[Br] * Bc * d) * 2 + SPLITKV_PAGE_CHUNK * 4
                 + 3 * WN * Br * 4)

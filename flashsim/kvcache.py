@@ -29,6 +29,9 @@ The schedule and its counts (per sequence b and K/V head; summed over both):
 - **Split-KV** (`flashsim.splitkv`): each packed Q tile's K/V range is cut into
   ``num_splits`` parts, each a thread block writing fp32 partials, then combined. With
   ``num_splits=None`` it is chosen by `num_splits_heuristic` for the hardware's SMs.
+  ``cluster=True``: a Q tile's parts run as one thread block cluster and merge their
+  partials through distributed shared memory, so no partial reaches HBM (at most 16
+  parts; `flashsim.splitkv`).
 - **Pages**: a K/V tile reads only the real rows of the sequence, wherever its pages lie:
   the traffic of a paged cache is that of a contiguous one holding the same rows (a
   partly filled last page costs its real rows). The block table itself is read once
@@ -44,7 +47,7 @@ import numpy as np
 
 from .memory import Machine
 from .problem import Shape, check_scale, check_size, itemsize_of
-from .splitkv import count_splitkv, run_splitkv, split_bounds
+from .splitkv import CLUSTER_MAX, count_splitkv, run_splitkv, split_bounds
 from .tiling import Tiles, cdiv
 from .traffic import Traffic
 from .variants import make_band, make_scores
@@ -215,7 +218,7 @@ def make_layout(*, batch, Nq, heads, kv_heads, d, dv=None, cache_seqlens, Nnew=0
     return CacheLayout(batch, Nq, heads, kv_heads, d, dv, Nnew, seqlens, page_size)
 
 
-def _split_count(lay: CacheLayout, blocks, num_splits, hardware) -> int:
+def _split_count(lay: CacheLayout, blocks, num_splits, hardware, cluster=False) -> int:
     if num_splits is not None:
         return check_size("num_splits", num_splits, 1)
     from .hardware import get as get_hardware
@@ -223,7 +226,8 @@ def _split_count(lay: CacheLayout, blocks, num_splits, hardware) -> int:
     Br, Bc = blocks
     work = lay.batch * lay.kv_heads * cdiv(lay.Nq * lay.g, Br)
     return num_splits_heuristic(work, hw.num_sms, cdiv(int(lay.total.max()), Bc),
-                                combine_rows=min(Br, lay.Nq * lay.g), Bc=Bc)
+                                combine_rows=min(Br, lay.Nq * lay.g), Bc=Bc,
+                                max_splits=CLUSTER_MAX if cluster else 128)
 
 
 def _blocks(block_sizes) -> tuple[int, int]:
@@ -236,13 +240,14 @@ def _blocks(block_sizes) -> tuple[int, int]:
 
 # -- counting ---------------------------------------------------------------------------
 
-def _sequence_traffic(lay: CacheLayout, L: int, blocks, band, b: int, s: int) -> Traffic:
+def _sequence_traffic(lay: CacheLayout, L: int, blocks, band, b: int, s: int,
+                      cluster: bool) -> Traffic:
     """One sequence's traffic: append, split-KV attention over L keys, block table."""
     Br, Bc = blocks
     rows = lay.Nq * lay.g
     shape = Shape(rows, L, lay.d, lay.dv, (lay.kv_heads,), (lay.kv_heads,), (lay.kv_heads,), 1)
     tiles = PackedTiles(rows, L, Br, Bc, band, lay.g)
-    t = count_splitkv(shape, tiles, b, num_splits=s) + _append_traffic(lay, L, b)
+    t = count_splitkv(shape, tiles, b, num_splits=s, cluster=cluster) + _append_traffic(lay, L, b)
     if lay.page_size is not None:
         t = t + Traffic(reads={"block_table": _table_bytes(tiles, s, lay)})
     return t
@@ -276,8 +281,8 @@ def _table_bytes(tiles: PackedTiles, s: int, lay: CacheLayout) -> int:
 
 def count_kvcache(*, Nq: int, heads: int, kv_heads: int | None = None, d: int,
                   dv: int | None = None, cache_seqlens, Nnew: int = 0, page_size=None,
-                  causal: bool = False, num_splits=None, block_sizes=DEFAULT_BLOCKS,
-                  io_dtype="float16", hardware="H100") -> Traffic:
+                  causal: bool = False, num_splits=None, cluster: bool = False,
+                  block_sizes=DEFAULT_BLOCKS, io_dtype="float16", hardware="H100") -> Traffic:
     """`simulate_kvcache(...).traffic` with no arrays: ``cache_seqlens`` per sequence
     (its length is the batch), ``Nnew`` rows appended to each, ``page_size`` for a paged
     cache (None: contiguous)."""
@@ -289,11 +294,11 @@ def count_kvcache(*, Nq: int, heads: int, kv_heads: int | None = None, d: int,
                       heads=heads, kv_heads=kv_heads or heads, d=d, dv=dv,
                       cache_seqlens=seqlens, Nnew=Nnew, page_size=page_size)
     blocks = _blocks(block_sizes)
-    s = _split_count(lay, blocks, num_splits, hardware)
+    s = _split_count(lay, blocks, num_splits, hardware, cluster)
     band = make_band(causal, None)
     b = itemsize_of(io_dtype)
-    return sum((_sequence_traffic(lay, int(L), blocks, band, b, s) for L in lay.total),
-               Traffic())
+    return sum((_sequence_traffic(lay, int(L), blocks, band, b, s, cluster)
+                for L in lay.total), Traffic())
 
 
 # -- simulation -------------------------------------------------------------------------
@@ -325,7 +330,7 @@ def _array(name, x, ndim):
 
 
 def simulate_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None,
-                     v=None, causal: bool = False, num_splits=None,
+                     v=None, causal: bool = False, num_splits=None, cluster: bool = False,
                      block_sizes=DEFAULT_BLOCKS, scale=None, io_dtype=None,
                      hardware="H100") -> KVCacheResult:
     """One decoding step: append k, v (if given) to each sequence's cache, then split-KV
@@ -357,7 +362,7 @@ def simulate_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
                       page_size=k_cache.shape[1] if paged else None,
                       num_pages=k_cache.shape[0], block_table=block_table)
     blocks = _blocks(block_sizes)
-    s = _split_count(lay, blocks, num_splits, hardware)
+    s = _split_count(lay, blocks, num_splits, hardware, cluster)
     itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
     scale = check_scale(scale, d)
     table = np.asarray(block_table) if paged else None
@@ -391,7 +396,8 @@ def simulate_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         scores = make_scores(shape, scale, causal, None, None, None)
         tiles = PackedTiles(Nq * g, L, Br, Bc, scores.band, g)
         mc = Machine(kv_heads, itemsize, None)
-        O, Lb = run_splitkv(mc, Qb, Kb, Vb, shape, tiles, scores, num_splits=s)
+        O, Lb = run_splitkv(mc, Qb, Kb, Vb, shape, tiles, scores, num_splits=s,
+                            cluster=cluster)
         out[b] = np.moveaxis(O[:, 0].reshape(kv_heads, Nq, g, dv), 1, 0).reshape(Nq, heads, dv)
         lse[b] = Lb[:, 0].reshape(kv_heads, Nq, g).transpose(0, 2, 1).reshape(heads, Nq)
         t = mc.traffic + _append_traffic(lay, L, itemsize)

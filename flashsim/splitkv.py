@@ -53,6 +53,16 @@ keys_i = keys in K/V tiles jlo_i … jhi_i; sums over Q tiles with n_i ≥ 1 unl
 
 For one query (Nq = 1) the K/V bytes are flash2's; the extra cost is the partials,
 2·k·(dv + 1)·4 bytes, plus (k − 1) more reads of the d·b bytes of q.
+
+**The merge in a cluster** (``cluster=True``, Hopper's thread block clusters): the s
+parts of a Q tile run together as one cluster of s thread blocks, each keeping its
+partial (Osplit_ip, Lsplit_ip) in its own SRAM; after a cluster-wide barrier the first
+part's block reads the others' partials from their SRAM (distributed shared memory, an
+SM-to-SM network, not the memory hierarchy) and writes O_i, L_i. No partial reaches HBM:
+the traffic is the table above without the Osplit and Lsplit lines. The parts are the
+same (an empty part joins the cluster's barriers with an empty partial and moves
+nothing), so outputs are the memory merge's. A cluster holds at most 16 thread blocks
+(8 portably), so ``num_splits`` ≤ 16.
 """
 
 from __future__ import annotations
@@ -66,8 +76,18 @@ from .traffic import Traffic
 NEG_INF = -np.inf
 
 
-def _check_splits(num_splits) -> int:
-    return check_size("num_splits", num_splits, 1)
+CLUSTER_MAX = 16     # thread blocks a cluster may hold (an H100's non-portable limit)
+
+
+def _check_splits(num_splits, cluster: bool = False) -> int:
+    s = check_size("num_splits", num_splits, 1)
+    if not isinstance(cluster, (bool, np.bool_)):
+        raise TypeError(f"cluster must be True or False, got {cluster!r}")
+    if cluster and s > CLUSTER_MAX:
+        raise ValueError(f"a cluster holds at most {CLUSTER_MAX} thread blocks: num_splits "
+                         f"= {s} parts cannot merge in one (use cluster=False, or fewer "
+                         "splits)")
+    return s
 
 
 def split_bounds(jlo, jhi, num_splits: int):
@@ -96,10 +116,10 @@ def combine_chunks(budget: int, rows: int, dv: int) -> tuple[int, int]:
 
 # -- simulation -------------------------------------------------------------------------
 
-def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
+def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits, cluster=False):
     # each part runs flash2's inner loop (simulate imports this module, hence the late import)
     from .simulate import _flash2, _safe, kv_sweep
-    s = _check_splits(num_splits)
+    s = _check_splits(num_splits, cluster)
     if s == 1:
         return _flash2(mc, Q, K, V, shape, tiles, scores)   # FlashAttention's unsplit kernel
 
@@ -133,10 +153,14 @@ def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
             with np.errstate(divide="ignore"):
                 Li = np.where(seen, mi + np.log(np.where(seen, li, 1.0)), NEG_INF)
             Oflat = Oi.reshape(Oi.shape[:-2] + (rows * dv,))
-            mc.store("Osplit", Osplit[..., p, :], i0 * dv, i1 * dv, Oflat,
-                     stat=True)                                  # SRAM→HBM: Osplit_ip (Br·dv, fp32)
-            mc.store("Lsplit", Lsplit[..., p, :], i0, i1, Li,
-                     stat=True)                                  # SRAM→HBM: Lsplit_ip (Br, fp32)
+            if cluster:          # the partial stays in this block's SRAM for the merge
+                Osplit[..., p, i0 * dv:i1 * dv] = Oflat
+                Lsplit[..., p, i0:i1] = Li
+            else:
+                mc.store("Osplit", Osplit[..., p, :], i0 * dv, i1 * dv, Oflat,
+                         stat=True)                              # SRAM→HBM: Osplit_ip (Br·dv, fp32)
+                mc.store("Lsplit", Lsplit[..., p, :], i0, i1, Li,
+                         stat=True)                              # SRAM→HBM: Lsplit_ip (Br, fp32)
             mc.free("Q", "O", "m", "l", "m_new")
 
     # Kernel 2: combine, one thread block per Q tile, one partial at a time.
@@ -164,8 +188,11 @@ def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
             m = np.full(lead + (n,), NEG_INF)
             l = np.zeros(lead + (n,))
             for p in parts:
-                Lp = mc.load("Lsplit", Lsplit[..., p, :], r0, r1,
-                             stat=True)                          # HBM→SRAM: Lsplit_ip (R, fp32)
+                if cluster:      # from part p's SRAM, over the cluster's network
+                    Lp = Lsplit[..., p, r0:r1]
+                else:
+                    Lp = mc.load("Lsplit", Lsplit[..., p, :], r0, r1,
+                                 stat=True)                      # HBM→SRAM: Lsplit_ip (R, fp32)
                 m_new = np.maximum(m, Lp)
                 alpha = np.exp(m - _safe(m_new))
                 w = np.exp(Lp - _safe(m_new))                    # 0 for a part that saw nothing
@@ -176,13 +203,17 @@ def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
                         f0, f1 = r0 * dv, r1 * dv
                     else:                                        # R == 1: a piece of one row
                         f0, f1 = r0 * dv + c0, r0 * dv + c1
-                    Op = mc.load("Osplit", Osplit[..., p, :], f0, f1,
-                                 stat=True)                      # HBM→SRAM: Osplit_ip piece (fp32)
+                    if cluster:
+                        Op = Osplit[..., p, f0:f1]
+                    else:
+                        Op = mc.load("Osplit", Osplit[..., p, :], f0, f1,
+                                     stat=True)                  # HBM→SRAM: Osplit_ip piece (fp32)
+                        mc.free("Osplit")
                     Op = Op.reshape(lead + (n, c1 - c0))
                     acc[..., c0:c1] = alpha[..., None] * acc[..., c0:c1] + w[..., None] * Op
-                    mc.free("Osplit")
                 m = m_new
-                mc.free("Lsplit")
+                if not cluster:
+                    mc.free("Lsplit")
             seen = l > 0
             Oc = acc / np.where(seen, l, 1.0)[..., None]
             with np.errstate(divide="ignore"):
@@ -195,9 +226,9 @@ def run_splitkv(mc, Q, K, V, shape, tiles: Tiles, scores, *, num_splits):
 
 # -- counting ---------------------------------------------------------------------------
 
-def count_splitkv(shape, tiles: Tiles, b: int, *, num_splits) -> Traffic:
+def count_splitkv(shape, tiles: Tiles, b: int, *, num_splits, cluster=False) -> Traffic:
     """Exact traffic of `run_splitkv`, vectorised over Q tiles (O(Tr) NumPy)."""
-    s = _check_splits(num_splits)
+    s = _check_splits(num_splits, cluster)
     Nq, Nk, d, dv, n = shape.Nq, shape.Nk, shape.d, shape.dv, shape.problems
     jlo, jhi = tiles.kv_ranges()
     i0, i1 = tiles.q_bounds()
@@ -210,7 +241,7 @@ def count_splitkv(shape, tiles: Tiles, b: int, *, num_splits) -> Traffic:
     q_rows = int((parts * rows).sum())
     reads = {"Q": q_rows * d * b, "K": keys * d * b, "V": keys * dv * b}
     writes = {"O": Nq * dv * b, "L": Nq * STAT_BYTES}
-    if s > 1:
+    if s > 1 and not cluster:
         for direction in (reads, writes):
             direction["Osplit"] = q_rows * dv * STAT_BYTES
             direction["Lsplit"] = q_rows * STAT_BYTES
@@ -222,9 +253,10 @@ def count_splitkv(shape, tiles: Tiles, b: int, *, num_splits) -> Traffic:
 def theory_splitkv(*, Nq: int, Nk: int, d: int, dv: int | None = None, Br: int, Bc: int,
                    causal: bool = False, window=None, left: int | None = None,
                    right: int | None = None, itemsize: int = 2, problems: int = 1,
-                   num_splits: int) -> Traffic:
+                   num_splits: int, cluster: bool = False) -> Traffic:
     """The closed form of the module docstring, written from the loop structure
-    independently of `count_splitkv`.
+    independently of `count_splitkv`; ``cluster=True``: the merge in a cluster, no
+    partial in HBM.
 
     The mask is given either as ``causal``/``window`` (as `simulate` takes them) or as
     the band's reach ``left``/``right`` (None = unbounded; `flashsim.theory.traffic`
@@ -234,7 +266,7 @@ def theory_splitkv(*, Nq: int, Nk: int, d: int, dv: int | None = None, Br: int, 
     holding min(Nk, Bc·(⌊c_hi/Bc⌋ + 1)) − Bc·⌊c_lo/Bc⌋ keys. Non-causal: n_i = Tc."""
     if num_splits is None:
         raise ValueError("splitkv needs num_splits (the number of K/V splits per Q tile)")
-    s = _check_splits(num_splits)
+    s = _check_splits(num_splits, cluster)
     if causal or window is not None:
         if left is not None or right is not None:
             raise ValueError("give the mask as causal/window or as left/right, not both")
@@ -264,7 +296,7 @@ def theory_splitkv(*, Nq: int, Nk: int, d: int, dv: int | None = None, Br: int, 
                             0).sum())
     reads = {"Q": q_rows * d * b, "K": keys * d * b, "V": keys * dv * b}
     writes = {"O": Nq * dv * b, "L": Nq * st}
-    if s > 1:
+    if s > 1 and not cluster:
         reads.update(Osplit=q_rows * dv * st, Lsplit=q_rows * st)
         writes.update(Osplit=q_rows * dv * st, Lsplit=q_rows * st)
     return problems * Traffic(reads=reads, writes=writes)

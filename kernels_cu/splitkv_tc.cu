@@ -284,19 +284,113 @@ __device__ __forceinline__ void combine_few(const float* Osplit, const float* Ls
     for (int e = 0; e < 4; ++e) dst[e] = from_acc<T>(acc[e] * inv);
 }
 
+// -- thread block clusters (compute capability 9.0) ------------------------------------
+
+// The cluster's barrier (every thread of every CTA arrives; the release/acquire pair makes
+// each CTA's shared-memory writes before it visible to the others' reads after it), and
+// loads from CTA `rank`'s shared memory at the address its own copy of `p` has.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FLASHSIM_HOST)
+#define SKV_CLUSTER(n) __cluster_dims__(n, 1, 1)
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_addr(const void* p, int rank) {
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+                 : "=r"(a) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ float ld_cluster(unsigned a) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(unsigned a) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a) : "memory");
+    return v;
+}
+#else
+// no clusters before 9.0, nor in the CPU emulation: the cluster kernel is built there
+// (one module per source) but never launched (flashsim.gpu.decode picks it on 9.0 alone)
+#define SKV_CLUSTER(n)
+#ifdef FLASHSIM_HOST
+#define SKV_NO_CLUSTER() std::abort()
+#else
+#define SKV_NO_CLUSTER() __trap()
+#endif
+__device__ __forceinline__ void cluster_arrive() { SKV_NO_CLUSTER(); }
+__device__ __forceinline__ void cluster_wait() { SKV_NO_CLUSTER(); }
+__device__ __forceinline__ unsigned cluster_addr(const void*, int) { SKV_NO_CLUSTER(); return 0; }
+__device__ __forceinline__ float ld_cluster(unsigned) { SKV_NO_CLUSTER(); return 0.0f; }
+__device__ __forceinline__ float4 ld_cluster4(unsigned) {
+    SKV_NO_CLUSTER();
+    return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+#endif
+
+// The merge of a cluster's CL parts by its first CTA: each part's partial (O normalised
+// by its own ℓ, fp32, rows × D, and L) sits in that part's shared memory; a thread per 4
+// columns of a row loads the CL parts' L and float4 of O at once (one round trip over
+// the cluster's network, where the merge through memory waits for a fence, an atomic
+// and an L2 round trip), then O = Σ_p exp(L_p − L) O_p, L = log Σ_p exp(L_p). Ends with
+// the cluster's barrier: the other parts keep their shared memory until it has read it.
+template <typename T, int D, int CL>
+__device__ __forceinline__ void combine_cluster(const float* sPO, const float* sPL, T* O, float* L,
+                                                int i0, int rows, int b, int kvh, int G, int Nq,
+                                                int heads, int tid) {
+    constexpr int C4 = D / 4;
+    for (int x = tid; x < rows * C4; x += skv::THREADS) {
+        const int r = x / C4, c = (x % C4) * 4;
+        float lv[CL];
+        float4 ov[CL];
+#pragma unroll
+        for (int u = 0; u < CL; ++u) {                    // the loads first, all of them
+            lv[u] = ld_cluster(cluster_addr(sPL + r, u));
+            ov[u] = ld_cluster4(cluster_addr(sPO + r * D + c, u));
+        }
+        float mx = neg_inf<float>();
+#pragma unroll
+        for (int u = 0; u < CL; ++u) mx = fmaxf(mx, lv[u]);
+        float sum = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (!is_neg_inf(mx)) {                            // a row with no key: O = 0
+#pragma unroll
+            for (int u = 0; u < CL; ++u) {
+                const float w = expf(lv[u] - mx);         // 0 for a part without keys
+                sum += w;
+                acc[0] += w * ov[u].x; acc[1] += w * ov[u].y; acc[2] += w * ov[u].z; acc[3] += w * ov[u].w;
+            }
+        }
+        const int q = i0 + r;
+        if (c == 0) L[((long long)b * heads + kvh * G + q % G) * Nq + q / G] = sum > 0.0f ? mx + logf(sum) : neg_inf<float>();
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        T* dst = O + (((long long)b * Nq + q / G) * heads + kvh * G + q % G) * D + c;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dst[e] = from_acc<T>(acc[e] * inv);
+    }
+    cluster_arrive();
+    cluster_wait();
+}
+
 // -- split-KV attention --------------------------------------------------------------------
 
-// two CTAs per SM (their K/V stages fit beside each other): the bound lets ptxas use up
-// to 255 registers, where left to itself it capped the 32-row tile at 168 and spilled
-template <typename T, int D, int WM>
-__global__ void __launch_bounds__(skv::THREADS, 2)
-splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
-               const int* __restrict__ block_table, const int* __restrict__ seqlens,
-               T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
-               float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
-               int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
-               float scale, float scale_log2, unsigned long long* io) {
+// The body of both split kernels: splitkv_fwd_tc (CL = 1: partials through memory, the
+// last part merges) and splitkv_fwd_tc_cl (the s = CL parts of a Q tile are one cluster
+// and merge through distributed shared memory).
+template <typename T, int D, int WM, int CL>
+__device__ __forceinline__ void
+splitkv_body(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
+             const int* __restrict__ block_table, const int* __restrict__ seqlens,
+             T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
+             float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
+             int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
+             float scale, float scale_log2, unsigned long long* io) {
     using namespace skv;
+    static_assert(CL == 1 || WM == 1, "clusters merge the 16-row tile's parts only");
     constexpr int WN = WARPS / WM;            // key groups: each warp's share of a tile
     constexpr int KW = Bc / WN;               // keys per warp per tile (16, 32 or 64)
     constexpr int NT = KW / 8;                // its n-tiles of S
@@ -315,6 +409,10 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     float* sL = sM + WN * Br;                                        // WN · Br
     float* sW = sL + WN * Br;                                        // WN · Br
     float* sO = reinterpret_cast<float*>(sK);   // WN · Br · D, over the K/V tiles at the end
+    float* sPO = sO + WN * Br * D;              // the part's partial (cluster): Br · D, then
+    float* sPL = sPO + Br * D;                  // its L: Br, also over the K/V tiles
+    static_assert(CL == 1 || (WN + 1) * Br * D * 4 + Br * 4 <= 2 * STAGES * Bc * D * (int)sizeof(T),
+                  "the merge's buffers fit in the K/V stages");
 
     const int s = gridDim.x, p = blockIdx.x, i = blockIdx.y;
     const int z = blockIdx.z, b = z / kv_heads, kvh = z % kv_heads;
@@ -323,8 +421,11 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     const int Lk = seqlens[b];
     const Part part = part_of(i0, i0 + rows, G, Lk, Nq, causal != 0, p, s);
     // an empty part: no partial, no work; but a Q tile that sees no key at all still
-    // writes O = 0 and L = −∞, once (the combine's job, done here as nothing is merged)
-    if (s > 1 && part.ja == part.jz && !(part.n == 0 && p == 0)) return;
+    // writes O = 0 and L = −∞, once (the combine's job, done here as nothing is merged).
+    // In a cluster (n is the same for all its parts) an empty part of a tile with keys
+    // stays for the merge's barriers, its partial empty (L = −∞)
+    const bool empty = part.ja == part.jz;
+    if (CL > 1 ? part.n == 0 && p != 0 : s > 1 && empty && !(part.n == 0 && p == 0)) return;
 
     const long long row_stride = (long long)kv_heads * D;
     // packed row r → (position r / G, head kvh·G + r mod G)
@@ -335,7 +436,7 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     const int wm = warp / WN, wn = warp % WN;
     const int grp = lane >> 2, tig = lane & 3;
 
-    if (part.ja == part.jz) {    // the tile sees no key: O = 0, L = −∞ (flash2)
+    if (CL > 1 ? part.n == 0 : empty) {   // the tile sees no key: O = 0, L = −∞ (flash2)
         for (int x = tid; x < rows * D; x += THREADS)
             O[q_offset(i0 + x / D) + x % D] = from_acc<T>(0.0f);
         for (int r = tid; r < rows; r += THREADS)
@@ -346,11 +447,13 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     }
 
     const int key_a = part.ja * Bc, key_z = min(Lk, part.jz * Bc);
-    COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
-    COUNT_IO(io, IO_K_R, (long long)(key_z - key_a) * D * sizeof(T));  // HBM→SRAM: K_j, j ∈ part
-    COUNT_IO(io, IO_V_R, (long long)(key_z - key_a) * D * sizeof(T));  // HBM→SRAM: V_j, j ∈ part
-    if (block_table != nullptr)   // each page of the part's keys: its table entry, once
-        COUNT_IO(io, IO_block_table_R, (long long)((key_z - 1) / page_rows - key_a / page_rows + 1) * 4);
+    if (CL == 1 || !empty) {
+        COUNT_IO(io, IO_Q_R, (long long)rows * D * sizeof(T));             // HBM→SRAM: Q_i (Br·d)
+        COUNT_IO(io, IO_K_R, (long long)(key_z - key_a) * D * sizeof(T));  // HBM→SRAM: K_j, j ∈ part
+        COUNT_IO(io, IO_V_R, (long long)(key_z - key_a) * D * sizeof(T));  // HBM→SRAM: V_j, j ∈ part
+        if (block_table != nullptr)   // each page of the part's keys: its table entry, once
+            COUNT_IO(io, IO_block_table_R, (long long)((key_z - 1) / page_rows - key_a / page_rows + 1) * 4);
+    }
 
     Pages pages{block_table ? block_table + (long long)b * max_pages : nullptr, b, page_rows,
                 num_pages, sPage, 0};
@@ -412,8 +515,9 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
         }
     };
 
-    // Q_i: packed rows gathered from q, zeros past the last row
-    for (int x = tid; x < Br * CH; x += THREADS) {
+    // Q_i: packed rows gathered from q, zeros past the last row (none for a cluster's
+    // empty part, which runs no tile)
+    for (int x = CL > 1 && empty ? Br * CH : tid; x < Br * CH; x += THREADS) {
         const int r = x / CH, c = x % CH;
         const bool ok = r < rows;
         cp_async16(sQ + swz<D>(r, c), Q + (ok ? q_offset(i0 + r) + c * 8 : 0), ok);
@@ -569,7 +673,8 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
 #pragma unroll
         for (int u = 0; u < WN; ++u) sW[u * Br + r] = lsum > 0.0f ? sW[u * Br + r] / lsum : 0.0f;
         const float lse = lsum > 0.0f ? mstar * scale + logf(lsum) : neg_inf<float>();
-        if (s == 1) L[((long long)b * heads + kvh * G + (i0 + r) % G) * Nq + (i0 + r) / G] = lse;
+        if (CL > 1) sPL[r] = lse;
+        else if (s == 1) L[((long long)b * heads + kvh * G + (i0 + r) % G) * Nq + (i0 + r) / G] = lse;
         else Lsplit[slot + i0 + r] = lse;
     }
     __syncthreads();
@@ -578,8 +683,23 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
         float val = 0.0f;
 #pragma unroll
         for (int u = 0; u < WN; ++u) val += sW[u * Br + r] * sO[(u * Br + r) * D + col];
-        if (s == 1) O[q_offset(i0 + r) + col] = from_acc<T>(val);
+        if (CL > 1) sPO[x] = val;
+        else if (s == 1) O[q_offset(i0 + r) + col] = from_acc<T>(val);
         else Osplit[(slot + i0 + r) * D + col] = val;
+    }
+    if constexpr (CL > 1) {
+        // every part's partial is in its CTA's shared memory once the cluster has met
+        cluster_arrive();
+        cluster_wait();
+        if (p == 0) {     // the first part merges, reading the others' shared memory
+            COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));   // SRAM→HBM: O_i
+            COUNT_IO(io, IO_L_W, (long long)rows * 4);               // SRAM→HBM: L_i
+            combine_cluster<T, D, CL>(sPO, sPL, O, L, i0, rows, b, kvh, G, Nq, heads, tid);
+        } else {                // the others keep theirs until it has read them
+            cluster_arrive();
+            cluster_wait();
+        }
+        return;
     }
     if (s == 1) {
         COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));       // SRAM→HBM: O_i (Br·d)
@@ -616,3 +736,33 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
     if (tid == 0) *done = 0;        // ready for the next launch
 }
 
+// two CTAs per SM (their K/V stages fit beside each other): the bound lets ptxas use up
+// to 255 registers, where left to itself it capped the 32-row tile at 168 and spilled
+template <typename T, int D, int WM>
+__global__ void __launch_bounds__(skv::THREADS, 2)
+splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
+               const int* __restrict__ block_table, const int* __restrict__ seqlens,
+               T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
+               float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
+               int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
+               float scale, float scale_log2, unsigned long long* io) {
+    splitkv_body<T, D, WM, 1>(Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq,
+                              heads, kv_heads, page_rows, max_pages, num_pages, causal, scale,
+                              scale_log2, io);
+}
+
+// The 16-row tile's s = CL parts as one thread block cluster (compute capability 9.0):
+// the grid's x axis is the cluster, and the parts merge through distributed shared
+// memory; Osplit, Lsplit and sem are not used.
+template <typename T, int D, int CL>
+__global__ void SKV_CLUSTER(CL) __launch_bounds__(skv::THREADS, 2)
+splitkv_fwd_tc_cl(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
+                  const int* __restrict__ block_table, const int* __restrict__ seqlens,
+                  T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
+                  float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
+                  int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
+                  float scale, float scale_log2, unsigned long long* io) {
+    splitkv_body<T, D, 1, CL>(Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq,
+                              heads, kv_heads, page_rows, max_pages, num_pages, causal, scale,
+                              scale_log2, io);
+}

@@ -10,9 +10,10 @@ Each dtype, both masks, ragged sizes, GQA, block sizes that do not divide N, bot
 fast and the instrumented builds, every rung that runs on the device, forward and
 backward (the instrumented one in the deterministic mode, whose tiles take turns adding
 into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
-(kernels_cu/splitkv_tc.cu), packed varlen batches (every rung), FlashAttention-1,
-standard attention and square tiles (flash1_ref.cu, standard_ref.cu, square_ref.cu),
-and inputs read through their strides (slices of a fused QKV, dense and packed).
+(kernels_cu/splitkv_tc.cu, the parts merged through memory and in clusters), packed
+varlen batches (every rung), FlashAttention-1, standard attention and square tiles
+(flash1_ref.cu, standard_ref.cu, square_ref.cu), and inputs read through their strides
+(slices of a fused QKV, dense and packed).
 """
 
 import sys
@@ -226,7 +227,9 @@ def paper_algorithms(rng, n_cases, dtypes):
 def decoding(rng, n_cases, dtypes):
     """splitkv_tc.cu: paged and contiguous caches with ragged lengths (0 included),
     appends across page edges, GQA packing into 16-, 32- and 64-row tiles, split or not,
-    both builds."""
+    the parts merged through memory or in a cluster (9.0), both builds."""
+    dv = fs.gpu._device
+    clusters = dv.cc(dv.cupy().cuda.Device().id) >= 90
     launches = 0
     for case in range(n_cases):
         d = (64, 128)[case % 2]
@@ -250,12 +253,16 @@ def decoding(rng, n_cases, dtypes):
                 q = dev(rng.standard_normal((batch, Nq, kvh * g, d)), dtype)
                 new = [dev(rng.standard_normal((batch, Nnew, kvh, d)), dtype)
                        for _ in range(2)] if Nnew else [None, None]
-                for splits in (1, 3):
+                # the merge through memory, and (9.0, up to 16 packed rows) in a cluster
+                runs = [(1, False), (3, False)]
+                if Nq * g <= 16 and clusters:
+                    runs += [(2, True), (8, True)]
+                for splits, cluster in runs:
                     for count_io in (False, True):
                         fs.gpu.attention_with_kvcache(
                             q, kc, vc, cache_seqlens=lens, block_table=table, k=new[0],
                             v=new[1], causal=bool(case % 2), num_splits=splits,
-                            count_io=count_io)
+                            cluster=cluster, count_io=count_io)
                         launches += 1 + bool(Nnew)
     return launches
 

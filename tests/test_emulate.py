@@ -397,6 +397,17 @@ def test_kvcache_bad_input(monkeypatch):
     KV.check_bad_input(monkeypatch)
 
 
+def test_kvcache_no_cluster_in_the_emulation():
+    """The emulation has no thread block clusters: the launcher merges through memory,
+    and asking for a cluster is refused."""
+    q = np.zeros((1, 1, 32, 64), np.float16)
+    kc = np.zeros((1, 1024, 8, 64), np.float16)
+    lens = np.array([1024], np.int32)
+    assert not fs.gpu.kvcache_plan(q, kc, cache_seqlens=lens).cluster
+    with pytest.raises(ValueError, match="emulation has no clusters"):
+        fs.gpu.kvcache_plan(q, kc, cache_seqlens=lens, cluster=True)
+
+
 # -- the emulator's warp collectives ----------------------------------------------------
 
 WARP_KERNELS = r"""

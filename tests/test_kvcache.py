@@ -116,6 +116,53 @@ def test_any_split_count_gives_the_unsplit_result(c):
         assert r.traffic.reads.get(t, 0) == one.traffic.reads.get(t, 0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_the_merge_in_a_cluster_moves_no_partial(c):
+    """cluster=True: the same parts and merge, so the same outputs bit for bit; the
+    traffic is the memory merge's without the partials, and count agrees."""
+    mem, _ = run(c)
+    cl, _ = run(c, cluster=True)
+    np.testing.assert_array_equal(cl.out, mem.out)
+    np.testing.assert_array_equal(cl.lse, mem.lse)
+    assert cl.num_splits == mem.num_splits or c["splits"] is None
+    if cl.num_splits == mem.num_splits:
+        partials = fs.Traffic(reads={t: mem.traffic.reads.get(t, 0) for t in ("Osplit", "Lsplit")},
+                              writes={t: mem.traffic.writes.get(t, 0) for t in ("Osplit", "Lsplit")})
+        assert cl.traffic + partials == mem.traffic
+    assert not {"Osplit", "Lsplit"} & (set(cl.traffic.reads) | set(cl.traffic.writes))
+    count = fs.count_kvcache(Nq=c["Nq"], heads=c["kv_heads"] * c["g"], kv_heads=c["kv_heads"],
+                             d=c["d"], cache_seqlens=c["lens"], Nnew=c["Nnew"],
+                             page_size=c["page"], causal=c["causal"], num_splits=c["splits"],
+                             cluster=True, block_sizes=c["blocks"], io_dtype="float64")
+    assert count == cl.traffic
+
+
+def test_a_cluster_holds_at_most_16_parts():
+    q, kc, vc, table, *_ = case(0, 1, 1, 1, 1, 8, 4, [70], 0)
+    args = dict(cache_seqlens=np.array([70], np.int32), block_table=table, block_sizes=(4, 4))
+    with pytest.raises(ValueError, match="at most 16"):
+        fs.simulate_kvcache(q, kc, vc, num_splits=17, cluster=True, **args)
+    with pytest.raises(TypeError, match="cluster must be True or False"):
+        fs.simulate_kvcache(q, kc, vc, num_splits=2, cluster="yes", **args)
+    # the default split count stays within a cluster
+    assert fs.simulate_kvcache(q, kc, vc, cluster=True, **args).num_splits <= 16
+
+
+def test_the_gpu_launcher_merges_short_parts_in_a_cluster():
+    """flashsim.gpu.decode's rule (no GPU needed): the largest cluster no larger than the
+    memory merge's split count whose CTAs find an SM each (clusters of 4 and 8: 7/8 of
+    them), if its parts hold at most CLUSTER_PART_TILES tiles."""
+    from flashsim.gpu.decode import cluster_splits
+    assert cluster_splits(8, 132, 16, 8) == 8           # GQA 32/8, batch 1, 1k keys
+    assert cluster_splits(8, 132, 64, 16) == 8          # … 4k keys: 8 tiles per part
+    assert cluster_splits(8, 132, 256, 16) is None      # … 16k keys: through memory
+    assert cluster_splits(32, 132, 16, 4) == 2          # MHA: 128 CTAs in 4s find 120 SMs
+    assert cluster_splits(64, 132, 16, 2) == 2          # batch 8: 128 CTAs in pairs
+    assert cluster_splits(64, 132, 64, 2) is None       # … 4k keys: 32 tiles per part
+    assert cluster_splits(256, 132, 16, 1) is None      # no split, no merge
+
+
 @settings(max_examples=40, deadline=None)
 @given(cases.filter(lambda c: c["Nnew"] > 0))
 def test_appending_then_attending_is_attending_over_the_concatenation(c):

@@ -25,10 +25,19 @@ pytestmark = [pytest.mark.gpu,
 DTYPES = ["float16"] + (["bfloat16"] if G.HAVE_TORCH else [])
 
 
+def clusters() -> bool:
+    """The device merges a Q tile's parts in a thread block cluster (compute capability
+    9.0 or later; not the CPU emulation)."""
+    dev = fs.gpu._device
+    return not dev.is_emulated() and dev.cc(dev.cupy().cuda.Device().id) >= 90
+
+
 @st.composite
 def kvcache_problems(draw, dtypes=None, max_len=300):
     """A decoding step: q, a paged or contiguous cache (lengths at and around page and
-    tile edges, 0 included), rows to append, causal or not, a split count or None."""
+    tile edges, 0 included), rows to append, causal or not, a split count or None, and
+    where the device has them the merge in a cluster asked for, refused or left to the
+    launcher (None)."""
     dtype = draw(st.sampled_from(dtypes or DTYPES))
     d = draw(st.sampled_from([64, 128]))
     batch = draw(st.integers(1, 3))
@@ -43,9 +52,15 @@ def kvcache_problems(draw, dtypes=None, max_len=300):
     Nnew = draw(st.sampled_from([0, 0, 1, 3, 16]))
     causal = draw(st.booleans())
     splits = draw(st.sampled_from([None, None, 1, 2, 3, 5, 16]))
+    cluster = None
+    if Nq * g <= 16 and clusters():
+        cluster = draw(st.sampled_from([None, True, False]))
+        if cluster:
+            splits = draw(st.sampled_from([None, *fs.kernels.SPLITKV_CLUSTERS]))
     seed = draw(st.integers(0, 2**32 - 1))
     return dict(dtype=dtype, d=d, batch=batch, Nq=Nq, kv_heads=kv_heads, g=g, page=page,
-                lens=lens, Nnew=Nnew, causal=causal, splits=splits, seed=seed)
+                lens=lens, Nnew=Nnew, causal=causal, splits=splits, cluster=cluster,
+                seed=seed)
 
 
 def make_inputs(c):
@@ -80,9 +95,12 @@ def check_kvcache(c):
     lens = np.array(c["lens"], np.int32)
     on = lambda x: None if x is None else G.dev(x, dtype)
     args = dict(cache_seqlens=lens, block_table=table, causal=c["causal"],
-                num_splits=c["splits"])
+                num_splits=c["splits"], cluster=c.get("cluster"))
     plan = fs.gpu.kvcache_plan(on(q), on(kc), on(vc), cache_seqlens=lens, block_table=table,
-                               k=on(kn), v=on(vn), num_splits=c["splits"])
+                               k=on(kn), v=on(vn), num_splits=c["splits"],
+                               cluster=c.get("cluster"))
+    if c.get("cluster") is not None:
+        assert plan.cluster == c["cluster"]
     kd, vd = on(kc), on(vc)
     out, lse, traffic = fs.gpu.attention_with_kvcache(on(q), kd, vd, k=on(kn), v=on(vn),
                                                       count_io=True, **args)
@@ -95,6 +113,7 @@ def check_kvcache(c):
 
     sim = fs.simulate_kvcache(q, kc, vc, k=kn, v=vn, io_dtype=dtype,
                               block_sizes=plan.block_sizes, num_splits=plan.num_splits,
+                              cluster=plan.cluster,
                               **{a: args[a] for a in ("cache_seqlens", "block_table", "causal")})
     fs.testing.assert_traffic_equal(traffic, sim.traffic)
     # the append landed where the simulator put it, and nothing else changed
@@ -146,6 +165,43 @@ def test_every_tile_shape(poisoned, dtype, d, Nq, g):
     plan = check_kvcache(dict(dtype=dtype, d=d, batch=2, Nq=Nq, kv_heads=2, g=g, page=16,
                               lens=[2500, 1031], Nnew=2, causal=True, splits=3, seed=Nq * g))
     assert plan.block_sizes[0] == fs.kernels.splitkv_rows(Nq * g)
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not clusters(),
+                    reason="clusters need compute capability 9.0")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("CL", fs.kernels.SPLITKV_CLUSTERS)
+def test_every_cluster_instance(poisoned, dtype, d, CL):
+    """Each cluster instance: packed GQA rows of a paged cache restaged within a part,
+    causal, a short sequence with empty parts beside a long one (whose parts all run),
+    and a tile of 16 rows (a thread per 4 columns, several rows each)."""
+    for Nq, g, lens in ((1, 4, [700, 70]), (2, 8, [1500, 3])):
+        plan = check_kvcache(dict(dtype=dtype, d=d, batch=2, Nq=Nq, kv_heads=2, g=g, page=16,
+                                  lens=lens, Nnew=1, causal=True, splits=CL, cluster=True,
+                                  seed=CL * g))
+        assert plan.cluster and plan.kernel == f"splitkv_fwd_tc_cl{CL}" and plan.num_splits == CL
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not clusters(),
+                    reason="clusters need compute capability 9.0")
+def test_the_launcher_merges_short_parts_in_a_cluster():
+    """On 9.0 a short cache's parts merge in a cluster, a long one's through memory; a
+    cluster that cannot be is refused before any launch."""
+    xp = fs.gpu._device.cupy()
+    q = xp.zeros((1, 1, 32, 128), xp.float16)
+    for L, want in ((1024, True), (16384, False)):
+        kc = xp.zeros((1, L, 8, 128), xp.float16)
+        plan = fs.gpu.kvcache_plan(q, kc, cache_seqlens=np.array([L], np.int32))
+        assert plan.cluster == want, (L, plan)
+    lens = np.array([L], np.int32)
+    with pytest.raises(ValueError, match="a cluster merges"):
+        fs.gpu.kvcache_plan(q, kc, cache_seqlens=lens, num_splits=3, cluster=True)
+    with pytest.raises(ValueError, match="at most 16 packed"):
+        fs.gpu.kvcache_plan(xp.zeros((1, 8, 32, 128), xp.float16), kc, cache_seqlens=lens,
+                            cluster=True)
+    with pytest.raises(TypeError, match="cluster must be"):
+        fs.gpu.kvcache_plan(q, kc, cache_seqlens=lens, cluster="yes")
 
 
 def bad_inputs():

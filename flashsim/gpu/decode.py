@@ -27,12 +27,19 @@ from . import _arrays as arrays, _device as dev
 class KVCachePlan:
     """How `attention_with_kvcache` runs these inputs: the kernel, its tile (Br packed
     query rows, Bc keys), the K/V splits per Q tile, and the thread blocks of the split
-    kernel's grid (splits × Q tiles × batch · kv_heads). Pass ``block_sizes`` and
-    ``num_splits`` to `flashsim.simulate_kvcache` to predict the kernels' traffic."""
+    kernel's grid (splits × Q tiles × batch · kv_heads). Pass ``block_sizes``,
+    ``num_splits`` and ``cluster`` to `flashsim.simulate_kvcache` to predict the kernels'
+    traffic."""
     kernel: str
     block_sizes: tuple[int, int]
     num_splits: int
     grid: tuple[int, int, int]
+
+    @property
+    def cluster(self) -> bool:
+        """Whether a Q tile's parts run as one thread block cluster and merge their
+        partials through distributed shared memory (none reaches memory)."""
+        return self.kernel.startswith("splitkv_fwd_tc_cl")
 
 
 def _host_ints(x, name: str) -> np.ndarray:
@@ -193,14 +200,39 @@ def _sm_props(device: int) -> tuple[int, int, int]:
             int(props["sharedMemPerMultiprocessor"]))
 
 
-def _plan(pr: _Problem, num_splits) -> KVCachePlan:
+# The merge in a cluster (splitkv_fwd_tc_cl, compute capability 9.0) saves the merge
+# through memory's fence, counter and L2 round trips, about 1 µs of a decoding step on an
+# H100; it pays where a step is that short: parts of at most CLUSTER_PART_TILES K/V tiles
+# (kernels_cu/NOTES.md v35). Clusters of 4 and 8 CTAs fill at most 7/8 of an H100's SMs
+# one CTA each (a GPC whose SMs are not a multiple of the cluster keeps the rest idle:
+# 128 CTAs in clusters of 4 or 8 ran on 120 SMs, 8 of them holding two).
+CLUSTER_PART_TILES = 8
+
+
+def cluster_splits(work: int, num_sms: int, kv_tiles: int, num_splits: int) -> int | None:
+    """The parts per cluster for ``work`` Q tiles whose caches span ``kv_tiles`` K/V
+    tiles, where the merge through memory would take ``num_splits`` parts: the largest
+    of `kernels.SPLITKV_CLUSTERS` no larger than that whose CTAs find an SM each, if its
+    parts are short (at most CLUSTER_PART_TILES tiles); None: merge through memory."""
+    for CL in sorted(K.SPLITKV_CLUSTERS, reverse=True):
+        if CL > num_splits or work * CL > (num_sms if CL <= 2 else num_sms * 7 // 8):
+            continue
+        return CL if cdiv(kv_tiles, CL) <= CLUSTER_PART_TILES else None
+    return None
+
+
+def _plan(pr: _Problem, num_splits, cluster=None) -> KVCachePlan:
+    if cluster is not None and not isinstance(cluster, (bool, np.bool_)):
+        raise TypeError(f"cluster must be True, False or None, got {cluster!r}")
     G = pr.heads // pr.kv_heads
     M = pr.Nq * G
     Br, Bc = K.splitkv_rows(M), K.SPLITKV_BC
     name = f"splitkv_fwd_tc_m{Br}"
     Tr = cdiv(M, Br)
+    work = pr.batch * pr.kv_heads * Tr
+    kv_tiles = cdiv(int((pr.seqlens + pr.Nnew).max()), Bc)
+    sms, cc, smem_per_sm = _device_sms()
     if num_splits is None:
-        sms, cc, smem_per_sm = _device_sms()
         if Br == 16:
             # the 16-row kernel (3 K/V tiles in flight per CTA) fills the SMs one CTA
             # each, and counts every part's fixed costs (its Q tile, its first K/V tile's
@@ -214,28 +246,47 @@ def _plan(pr: _Problem, num_splits) -> KVCachePlan:
                                           registers=K.registers(name, pr.d, cc), smem=smem,
                                           smem_per_sm=smem_per_sm))
             rows = min(Br, M)
-        longest = int((pr.seqlens + pr.Nnew).max())
-        s = num_splits_heuristic(pr.batch * pr.kv_heads * Tr, sms, cdiv(longest, Bc),
-                                 ctas_per_sm=per_sm, balance_waves=True,
+        s = num_splits_heuristic(work, sms, kv_tiles, ctas_per_sm=per_sm, balance_waves=True,
                                  combine_rows=rows, Bc=Bc)
     else:
         s = check_size("num_splits", num_splits, 1)
         if s > 65535:
             raise ValueError(f"num_splits must be at most 65535, got {s}")
+    # the merge in a cluster: the 16-row tile on compute capability 9.0 (not emulated)
+    can = Br == 16 and cc >= 90 and not dev.is_emulated()
+    if cluster:
+        if not can:
+            raise ValueError(
+                "cluster=True needs a GPU of compute capability 9.0 or later (the CPU "
+                f"emulation has no clusters) and at most 16 packed query rows (Nq · heads / "
+                f"kv_heads); got compute capability {cc / 10:.1f}"
+                f"{' (emulated)' if dev.is_emulated() else ''}, {M} rows")
+        if num_splits is None:
+            s = (cluster_splits(work, sms, kv_tiles, s)
+                 or max(c for c in K.SPLITKV_CLUSTERS if c <= max(s, K.SPLITKV_CLUSTERS[0])))
+        elif s not in K.SPLITKV_CLUSTERS:
+            raise ValueError(f"a cluster merges {K.SPLITKV_CLUSTERS} parts; got num_splits={s} "
+                             "(give one of those, or cluster=False)")
+    elif cluster is None and can and s > 1:
+        CL = cluster_splits(work, sms, kv_tiles, s)
+        cluster = CL is not None and (num_splits is None or CL == s)
+        s = CL if cluster else s
+    if cluster:
+        name = f"splitkv_fwd_tc_cl{s}"
     return KVCachePlan(name, (Br, Bc), s, (s, Tr, pr.batch * pr.kv_heads))
 
 
 def kvcache_plan(q, k_cache, v_cache=None, *, cache_seqlens, block_table=None, k=None,
-                 v=None, num_splits=None) -> KVCachePlan:
+                 v=None, num_splits=None, cluster=None) -> KVCachePlan:
     """The `KVCachePlan` that `attention_with_kvcache` follows for these inputs."""
     pr = _problem(q, k_cache, k_cache if v_cache is None else v_cache, cache_seqlens,
                   block_table, k, k if v is None else v)
-    return _plan(pr, num_splits)
+    return _plan(pr, num_splits, cluster)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None,
                            v=None, causal: bool = False, scale=None, num_splits=None,
-                           count_io: bool = False):
+                           cluster=None, count_io: bool = False):
     """One decoding step on the GPU, FlashAttention's ``flash_attn_with_kvcache``: append
     k, v (if given) into the cache in place at rows cache_seqlens[b] …, then attend q over
     each sequence's cache_seqlens[b] + Nnew rows. Returns (out, lse), or (out, lse,
@@ -247,6 +298,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     with ``block_table`` (batch, max_pages) int32; ``causal`` aligned to the bottom right.
     float16 or bfloat16, d ∈ {64, 128}, page sizes a multiple of 16. ``num_splits``: K/V
     splits per Q tile (None: the occupancy heuristic for this GPU, `kvcache_plan`).
+    ``cluster``: whether a Q tile's parts run as one thread block cluster and merge
+    their partials through distributed shared memory rather than memory (compute
+    capability 9.0, up to 16 packed rows, 2, 4 or 8 parts); None: where that is faster
+    (short parts, `cluster_splits`). Pass the plan's ``cluster`` to
+    `flashsim.simulate_kvcache` to predict the traffic.
     The caches must be contiguous device arrays (or PyTorch CUDA tensors) for the append
     to land in them; NumPy caches are copied to the device, appended there, and the
     rows copied back."""
@@ -254,7 +310,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         raise TypeError(f"causal must be True or False, got {causal!r}")
     with arrays.stream(q):
         pr = _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-        plan = _plan(pr, num_splits)
+        plan = _plan(pr, num_splits, cluster)
         return _run(pr, plan, bool(causal), check_scale(scale, pr.d), count_io,
                     (k_cache, v_cache))
 
@@ -294,7 +350,9 @@ def _prepare(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_
     as_torch = pr.q.torch
     O = arrays.empty(cp, (pr.batch, pr.Nq, pr.heads, D), st, dtype if as_torch else None)
     L = arrays.empty(cp, (pr.batch, pr.heads, pr.Nq), cp.float32, "float32" if as_torch else None)
-    if s > 1:
+    # the parts' partials, through memory (a cluster's stay in its shared memory)
+    through_memory = s > 1 and not plan.cluster
+    if through_memory:
         Osplit = arrays.empty(cp, (s, Z, M, D), cp.float32)
         Lsplit = arrays.empty(cp, (s, Z, M), cp.float32)
     else:
@@ -306,8 +364,8 @@ def _prepare(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_
                       (pr.kn.arr, pr.vn.arr, pr.kc.arr, pr.vc.arr, table, before, i32(pr.Nnew),
                        i32(pr.kv_heads), i32(pr.page_rows), i32(max_pages), i32(num_pages),
                        io)))
-    # the parts' counters for the merge (s > 1): zero, and left zero by each launch
-    sem = _semaphores(cp, Tr * Z) if s > 1 else np.uint64(0)
+    # the parts' counters for the merge through memory: zero, and left zero by each launch
+    sem = _semaphores(cp, Tr * Z) if through_memory else np.uint64(0)
     steps.append((dev.kernel(plan.kernel, dtype, count_io, D), plan.grid, smem,
                   (pr.q.arr, pr.kc.arr, pr.vc.arr, table, total, O, L, Osplit, Lsplit, sem,
                    i32(pr.Nq), i32(pr.heads), i32(pr.kv_heads), i32(pr.page_rows),
@@ -320,4 +378,4 @@ def _prepare(pr: _Problem, plan: KVCachePlan, causal: bool, scale: float, count_
     return launch, O, L, io
 
 
-__all__ = ["KVCachePlan", "attention_with_kvcache", "kvcache_plan"]
+__all__ = ["KVCachePlan", "attention_with_kvcache", "cluster_splits", "kvcache_plan"]
