@@ -12,7 +12,8 @@ Bytes are the compulsory ones: the K/V cache rows read once, q read and out writ
 Achieved bandwidth is those bytes over the median time, beside the device's copy bandwidth
 measured here (a 2 GiB device-to-device copy, bytes read plus written). Times:
 - "kernels": the launch alone (the split kernel, whose last part per Q tile merges the
-  partials), prepared once, as a serving loop would replay it;
+  partials, through memory or, on 9.0 where the parts are short, in a thread block
+  cluster), prepared once, as a serving loop would replay it;
 - "call": `fs.gpu.attention_with_kvcache` itself, with its input checks;
 - SDPA flash, efficient and cuDNN on the same contiguous cache viewed as (batch, heads,
   L, d), non-causal (SDPA aligns a causal mask to the top left, the cache to the bottom
@@ -170,7 +171,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "decode.md"), "w") as f:
         f.write(f"# Decoding, {name}, bfloat16, d = {D} ({time.strftime('%Y-%m-%d')})\n\n"
                 f"Copy bandwidth {bw / 1e12:.2f} TB/s. `python3 analysis/bench_decode.py"
-                f"{' --quick' if args.quick else ''}`; {time.time() - t0:.0f} s.\n\n")
+                f"{' --quick' if args.quick else ''}`; {time.time() - t0:.0f} s. Splits \"(cluster)\": "
+                "the parts merge in a thread block cluster, not through memory.\n\n")
         f.write("| heads/kv | Nq | batch | L | cache | splits | kernels ms | % copy bw | call ms "
                 "| SDPA flash | efficient | cuDNN | best SDPA / kernels | rel err |\n")
         f.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -185,7 +187,9 @@ def _line(r, md=False):
     best = min([x for x in sd if x is not None], default=None)
     frac = r["bytes"] / (r["kernels_ms"] * 1e-3) / r["copy_bw"]
     cells = [f"{r['heads']}/{r['kv_heads']}", r["Nq"], r["batch"], r["kv_len"],
-             "paged" if r["paged"] else "contig", r["num_splits"], fmt(r["kernels_ms"]),
+             "paged" if r["paged"] else "contig",
+             f"{r['num_splits']}{' (cluster)' if r['kernel'].startswith('splitkv_fwd_tc_cl') else ''}",
+             fmt(r["kernels_ms"]),
              f"{100 * frac:.0f}%", fmt(r["call_ms"]), *map(fmt, sd),
              "—" if best is None else f"{best / r['kernels_ms']:.2f}×", f"{r['rel_err']:.1e}"]
     return ("| " + " | ".join(map(str, cells)) + " |") if md else "  ".join(map(str, cells))

@@ -112,11 +112,13 @@ def measured_rows(path):
         heads, kv_heads, Nq, batch, L = (int(r[k]) for k in ("heads", "kv_heads", "Nq",
                                                               "batch", "kv_len"))
         paged = r["paged"] == "True"
-        Br = int(r["kernel"].rsplit("_m", 1)[1])
+        # the cluster kernels run the 16-row tile, and their partials stay on chip
+        cluster = r["kernel"].startswith("splitkv_fwd_tc_cl")
+        Br = 16 if cluster else int(r["kernel"].rsplit("_m", 1)[1])
         t = fs.count_kvcache(Nq=Nq, heads=heads, kv_heads=kv_heads, d=D,
                              cache_seqlens=[L] * batch, page_size=256 if paged else None,
-                             num_splits=int(r["num_splits"]), block_sizes=(Br, 64),
-                             io_dtype="bfloat16")
+                             num_splits=int(r["num_splits"]), cluster=cluster,
+                             block_sizes=(Br, 64), io_dtype="bfloat16")
         bw = float(r["copy_bw"])
         out.append({"device": device, "heads": heads, "kv_heads": kv_heads, "Nq": Nq,
                     "batch": batch, "kv_len": L, "paged": paged,
