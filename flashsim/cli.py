@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-splits", type=int, default=None, metavar="S",
                    help="splitkv only: number of parts each Q tile's K/V range is cut into "
                         "(1 = plain flash2)")
+    s.add_argument("--cluster", action="store_true",
+                   help="splitkv only: a Q tile's parts merge in a thread block cluster "
+                        "(distributed shared memory), no partial in HBM; at most 16 parts")
     s.add_argument("--seq", "-N", type=int, default=4096, metavar="N",
                    help="query sequence length Nq (default: 4096)")
     s.add_argument("--seq-k", type=int, default=None, metavar="Nk",
@@ -295,6 +298,11 @@ def run_simulate(args) -> int:
         raise CLIError(f"--num-splits applies to --algorithm splitkv, not {alg}")
     if splits is not None and splits < 1:
         raise CLIError(f"--num-splits must be >= 1, got {splits}")
+    if args.cluster and alg != "splitkv":
+        raise CLIError(f"--cluster applies to --algorithm splitkv, not {alg}")
+    if args.cluster and splits > 16:
+        raise CLIError(f"a cluster holds at most 16 thread blocks: --num-splits {splits} with "
+                       "--cluster (drop --cluster, or split less)")
     sram = args.sram
     if sram is None and args.block_sizes is None:
         sram = DEFAULT_SRAM
@@ -309,7 +317,8 @@ def run_simulate(args) -> int:
                                  d=d, dv=dv, itemsize=b)
     counted = count(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, batch_shape=(B, H), kv_batch_shape=(B, Hk),
                     sram_bytes=budget, block_sizes=args.block_sizes and tuple(args.block_sizes),
-                    causal=args.causal, io_dtype=args.dtype, num_splits=splits)
+                    causal=args.causal, io_dtype=args.dtype, num_splits=splits,
+                    cluster=args.cluster)
     is_flash = alg != "standard"
     if not is_flash:
         blocks = None  # standard attention does not tile
@@ -340,7 +349,8 @@ def run_simulate(args) -> int:
         v = rng.standard_normal((B, Hk, Nk, dv), dtype=np.float32)
         r = simulate(q, k, v, alg, sram_bytes=budget,
                      block_sizes=None if budget is not None else tuple(args.block_sizes),
-                     causal=args.causal, io_dtype=args.dtype, num_splits=splits)
+                     causal=args.causal, io_dtype=args.dtype, num_splits=splits,
+                     cluster=args.cluster)
         traffic, peak = r.traffic, r.sram_peak_bytes
         if entries <= MAX_REFERENCE_ENTRIES:
             ref, _ = attention_reference(q, k, v, causal=args.causal)
@@ -349,7 +359,8 @@ def run_simulate(args) -> int:
     Br, Bc = blocks if blocks else (None, None)
     if alg == "splitkv":
         closed = theory_splitkv(Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc, causal=args.causal,
-                                itemsize=b, problems=problems, num_splits=splits)
+                                itemsize=b, problems=problems, num_splits=splits,
+                                cluster=args.cluster)
     else:
         closed = theory.traffic(alg, Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc,
                                 causal=args.causal, itemsize=b, problems=problems)
@@ -376,6 +387,7 @@ def run_simulate(args) -> int:
         out = {
             "algorithm": alg,
             "num_splits": splits,
+            "cluster": bool(args.cluster),
             "problem": {"Nq": Nq, "Nk": Nk, "d": d, "dv": dv, "batch": B, "heads": H,
                         "kv_heads": Hk, "problems": problems, "causal": bool(args.causal),
                         "dtype": args.dtype, "itemsize": b},
@@ -408,9 +420,10 @@ def run_simulate(args) -> int:
     line("problem", f"{seqs}, {dims}, batch {B}, {heads}, {args.dtype} I/O ({b} B/element), "
                     f"{_causal_word(args.causal)}")
     if alg == "splitkv":
+        merge = ("merged in a thread block cluster, no partial in HBM" if args.cluster
+                 else "fp32 partials Osplit, Lsplit combined per Q tile")
         line("splits", f"{splits} per Q tile" + (" (1: the unsplit flash2 kernel)" if splits == 1
-                                                 else "; fp32 partials Osplit, Lsplit combined "
-                                                      "per Q tile"))
+                                                 else f"; {merge}"))
     if args.no_math:
         line("mode", "--no-math: bytes counted by fs.count, no arrays")
     else:

@@ -23,7 +23,7 @@ def _span(lo: np.ndarray, hi: np.ndarray, B: int, N: int) -> np.ndarray:
 def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
           batch_shape=(), kv_batch_shape=None, sram_bytes=None, block_sizes=None,
           causal: bool = False, io_dtype="float16", window=None,
-          num_splits=None, hardware=None, launch: str = "auto"):
+          num_splits=None, cluster: bool = False, hardware=None, launch: str = "auto"):
     """HBM traffic of ``algorithm`` for a problem of the given sizes; equal to
     ``simulate(...).traffic`` for the same problem, tiling, mask and options.
     (softcap and ALiBi change no count, so they are not parameters here.)
@@ -42,7 +42,7 @@ def count(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
                        kv_batch_shape=kv_batch_shape)
     b = itemsize_of(io_dtype)
     band = make_band(causal, window)
-    opts = check_options(algorithm, num_splits=num_splits)
+    opts = check_options(algorithm, num_splits=num_splits, cluster=cluster)
     if hardware is not None:
         from . import hierarchy
         blocks = hierarchy.hardware_tiles(algorithm, shape, io_dtype, hardware,

@@ -77,14 +77,19 @@ def check_scale(scale, d: int) -> float:
     return s
 
 
-def check_options(algorithm: str, *, num_splits=None) -> dict:
-    """Algorithm-specific options: only splitkv takes ``num_splits``."""
+def check_options(algorithm: str, *, num_splits=None, cluster=False) -> dict:
+    """Algorithm-specific options: only splitkv takes ``num_splits`` and ``cluster`` (its
+    parts merging in a thread block cluster, `flashsim.splitkv`)."""
+    if not isinstance(cluster, (bool, np.bool_)):
+        raise TypeError(f"cluster must be True or False, got {cluster!r}")
     if algorithm == "splitkv":
         if num_splits is None:
             raise ValueError("splitkv needs num_splits (the number of K/V splits per Q tile)")
-        return {"num_splits": check_size("num_splits", num_splits, 1)}
+        return {"num_splits": check_size("num_splits", num_splits, 1), "cluster": bool(cluster)}
     if num_splits is not None:
         raise ValueError(f"num_splits applies to algorithm='splitkv', not {algorithm!r}")
+    if cluster:
+        raise ValueError(f"cluster applies to algorithm='splitkv', not {algorithm!r}")
     return {}
 
 

@@ -46,14 +46,15 @@ class Result:
 
 def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes=None,
              causal: bool = False, scale=None, io_dtype=None, window=None, softcap=None,
-             alibi_slopes=None, num_splits=None, precision: str = "float64",
-             hardware=None, launch: str = "auto", world_size=None,
-             assignment: str = "contiguous") -> Result:
+             alibi_slopes=None, num_splits=None, cluster: bool = False,
+             precision: str = "float64", hardware=None, launch: str = "auto",
+             world_size=None, assignment: str = "contiguous") -> Result:
     """Run ``algorithm`` on q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) and count its
     HBM traffic.
 
     Algorithms: "standard", "flash1", "flash2", "splitkv" (flash-decoding, with
-    ``num_splits``) and "square" (square tiles for SRAM smaller than d²). The tiled
+    ``num_splits``; ``cluster=True``: a Q tile's parts merge in a thread block cluster,
+    no partial in HBM) and "square" (square tiles for SRAM smaller than d²). The tiled
     ones need exactly one of ``sram_bytes`` (block sizes by the paper's rule, shrunk to
     fit) or ``block_sizes=(Br, Bc)``. ``io_dtype`` (default q.dtype) sets the bytes per
     element of Q, K, V, O, S, P; m, ℓ, L are 4 bytes. Variants: ``window=(left, right)``,
@@ -79,7 +80,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     if algorithm == "ring" or world_size is not None:
         return _ring_result(q, k, v, shape, algorithm, world_size, assignment, causal,
                             block_sizes, sram_bytes, scale, io_dtype, hardware,
-                            (window, softcap, alibi_slopes, num_splits, precision, launch))
+                            (window, softcap, alibi_slopes, num_splits, cluster, precision,
+                             launch))
     if hardware is not None:
         from . import hierarchy
         hw_blocks = block_sizes
@@ -89,7 +91,7 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
             variant=softcap is not None or alibi_slopes is not None)
     scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
                          alibi_slopes)
-    opts = check_options(algorithm, num_splits=num_splits)
+    opts = check_options(algorithm, num_splits=num_splits, cluster=cluster)
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=itemsize)
     budget = parse_size(sram_bytes) if sram_bytes is not None else None
@@ -129,12 +131,12 @@ def _ring_result(q, k, v, shape, algorithm, world_size, assignment, causal, bloc
     if algorithm != "ring" or world_size is None:
         raise ValueError("world_size goes with algorithm='ring', which needs it (the number "
                          "of ranks the sequence is split over)")
-    window, softcap, alibi, splits, precision, launch = unsupported
-    if (window, softcap, alibi, splits) != (None, None, None, None) or precision != "float64" \
-            or launch != "auto":
+    window, softcap, alibi, splits, cluster, precision, launch = unsupported
+    if (window, softcap, alibi, splits) != (None, None, None, None) or cluster \
+            or precision != "float64" or launch != "auto":
         raise ValueError("algorithm='ring' takes causal or not, block sizes and the hardware "
                          "(for its link and compute rates); window, softcap, alibi_slopes, "
-                         "num_splits, precision and launch are not supported there")
+                         "num_splits, cluster, precision and launch are not supported there")
     r = simulate_ring(q, k, v, world_size=world_size, assignment=assignment, causal=causal,
                       block_sizes=block_sizes, sram_bytes=sram_bytes, scale=scale,
                       io_dtype=io_dtype, hardware=hardware or "H100")

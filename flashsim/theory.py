@@ -38,7 +38,7 @@ from .traffic import Traffic
 def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
             Br: int | None = None, Bc: int | None = None, causal: bool = False,
             window=None, itemsize: int = 2, problems: int = 1,
-            num_splits: int | None = None) -> Traffic:
+            num_splits: int | None = None, cluster: bool = False) -> Traffic:
     """Exact HBM bytes of ``algorithm`` from the closed forms in this module's docstring."""
     check_algorithm(algorithm)
     _no_ring(algorithm)
@@ -58,7 +58,8 @@ def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     if algorithm == "splitkv":
         from .splitkv import theory_splitkv
         return theory_splitkv(Nq=Nq, Nk=Nk, d=d, dv=dv, Br=Br, Bc=Bc, left=left, right=right,
-                              itemsize=itemsize, problems=problems, num_splits=num_splits)
+                              itemsize=itemsize, problems=problems, num_splits=num_splits,
+                              cluster=cluster)
     if algorithm == "square":
         from .square import theory_square
         return theory_square(Nq=Nq, Nk=Nk, d=d, dv=dv, B=Br, left=left, right=right,

@@ -295,6 +295,44 @@ def test_bad_num_splits(algorithm, num_splits, exc, match):
         fs.count(algorithm, Nq=4, Nk=4, d=8, block_sizes=blocks, num_splits=num_splits)
 
 
+@settings(max_examples=100)
+@given(attention_problems(max_seq=70, max_dim=16, max_block=16, allow_empty=True),
+       st.integers(1, 16), WINDOWS)
+def test_the_merge_in_a_cluster(p, s, window):
+    """cluster=True: the memory merge's outputs bit for bit, its traffic without the
+    partials, and simulate == count == theory."""
+    kw = dict(block_sizes=p.block_sizes, causal=p.causal, window=window, num_splits=s)
+    mem = fs.simulate(p.q, p.k, p.v, "splitkv", **kw)
+    cl = fs.simulate(p.q, p.k, p.v, "splitkv", cluster=True, **kw)
+    assert np.array_equal(cl.out, mem.out) and np.array_equal(cl.lse, mem.lse)
+    partials = fs.Traffic(reads={t: mem.traffic.reads.get(t, 0) for t in ("Osplit", "Lsplit")},
+                          writes={t: mem.traffic.writes.get(t, 0) for t in ("Osplit", "Lsplit")})
+    assert cl.traffic + partials == mem.traffic
+    assert cl.traffic == _count(p, s, window=window, cluster=True)
+    shape = check_arrays(p.q, p.k, p.v)[3]
+    t = fs.theory.traffic("splitkv", Nq=p.Nq, Nk=p.Nk, d=p.d, dv=p.dv, Br=p.block_sizes[0],
+                          Bc=p.block_sizes[1], causal=p.causal, window=window, itemsize=8,
+                          problems=shape.problems, num_splits=s, cluster=True)
+    assert t == cl.traffic
+
+
+@pytest.mark.parametrize("algorithm, num_splits, cluster, exc, match", [
+    ("splitkv", 17, True, ValueError, "at most 16"),
+    ("splitkv", 2, "yes", TypeError, "cluster must be True or False"),
+    ("flash2", None, True, ValueError, "cluster applies to algorithm='splitkv'"),
+])
+def test_bad_cluster(algorithm, num_splits, cluster, exc, match):
+    q = np.random.default_rng(0).standard_normal((4, 8))
+    with pytest.raises(exc, match=match):
+        fs.simulate(q, q, q, algorithm, block_sizes=(2, 2), num_splits=num_splits,
+                    cluster=cluster)
+    with pytest.raises(exc, match=match):
+        fs.count(algorithm, Nq=4, Nk=4, d=8, block_sizes=(2, 2), num_splits=num_splits,
+                 cluster=cluster)
+    with pytest.raises(ValueError, match="cluster"):
+        fs.simulate(q[None], q[None], q[None], "ring", world_size=2, cluster=True)
+
+
 def test_theory_bad_num_splits():
     with pytest.raises(ValueError, match="splitkv needs num_splits"):
         theory_splitkv(Nq=4, Nk=4, d=8, Br=2, Bc=2, num_splits=None)
@@ -321,12 +359,22 @@ def test_cli_simulate_splitkv(capsys):
     out = capsys.readouterr().out
     assert "Osplit" in out and "Lsplit" in out and "matches closed form: yes" in out
     assert "4 per Q tile" in out
+    # --cluster: the same run without the partials in HBM
+    assert main(argv + ["--cluster", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    want = fs.count("splitkv", Nq=2, Nk=3000, d=32, batch_shape=(1, 4), kv_batch_shape=(1, 2),
+                    sram_bytes="32KiB", causal=True, num_splits=4, cluster=True)
+    assert d["traffic"] == want.to_dict() and d["cluster"] is True
+    assert d["matches_theory"] is True and d["matches_count"] is True
+    assert "Osplit" not in d["traffic"]["reads"]
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--algorithm", "splitkv"], "needs --num-splits"),
     (["--algorithm", "splitkv", "--num-splits", "0"], "--num-splits must be >= 1"),
     (["--num-splits", "2"], "applies to --algorithm splitkv"),
+    (["--cluster"], "--cluster applies to --algorithm splitkv"),
+    (["--algorithm", "splitkv", "--num-splits", "17", "--cluster"], "at most 16"),
 ])
 def test_cli_bad_num_splits(capsys, argv, match):
     from flashsim.cli import main
