@@ -188,7 +188,7 @@ def _line(r, md=False):
     frac = r["bytes"] / (r["kernels_ms"] * 1e-3) / r["copy_bw"]
     cells = [f"{r['heads']}/{r['kv_heads']}", r["Nq"], r["batch"], r["kv_len"],
              "paged" if r["paged"] else "contig",
-             f"{r['num_splits']}{' (cluster)' if r['kernel'].startswith('splitkv_fwd_tc_cl') else ''}",
+             f"{r['num_splits']}{' (cluster)' if '_cl' in r['kernel'] else ''}",
              fmt(r["kernels_ms"]),
              f"{100 * frac:.0f}%", fmt(r["call_ms"]), *map(fmt, sd),
              "—" if best is None else f"{best / r['kernels_ms']:.2f}×", f"{r['rel_err']:.1e}"]

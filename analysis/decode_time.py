@@ -112,9 +112,9 @@ def measured_rows(path):
         heads, kv_heads, Nq, batch, L = (int(r[k]) for k in ("heads", "kv_heads", "Nq",
                                                               "batch", "kv_len"))
         paged = r["paged"] == "True"
-        # the cluster kernels run the 16-row tile, and their partials stay on chip
-        cluster = r["kernel"].startswith("splitkv_fwd_tc_cl")
-        Br = 16 if cluster else int(r["kernel"].rsplit("_m", 1)[1])
+        # splitkv_fwd_tc_m<Br>[_cl<CL>]: a cluster's partials stay on chip
+        cluster = "_cl" in r["kernel"]
+        Br = int(r["kernel"].split("_m")[1].split("_")[0])
         t = fs.count_kvcache(Nq=Nq, heads=heads, kv_heads=kv_heads, d=D,
                              cache_seqlens=[L] * batch, page_size=256 if paged else None,
                              num_splits=int(r["num_splits"]), cluster=cluster,

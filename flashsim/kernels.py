@@ -38,8 +38,8 @@ SOURCES = {
                         "standard_bwd_dq", "standard_bwd_dk"),
     "square_ref.cu": ("square_fwd_scores", "square_fwd_out"),
     "splitkv_tc.cu": ("kvcache_append", "splitkv_fwd_tc_m16", "splitkv_fwd_tc_m32",
-                      "splitkv_fwd_tc_m64", "splitkv_fwd_tc_cl2", "splitkv_fwd_tc_cl4",
-                      "splitkv_fwd_tc_cl8"),
+                      "splitkv_fwd_tc_m64",
+                      *(f"splitkv_fwd_tc_m{Br}_cl{CL}" for Br in (16, 32, 64) for CL in (2, 4, 8))),
 }
 # Sources built for one architecture only, by its arch-specific target: the Hopper rung
 # uses wgmma, which exists on compute capability 9.0 alone (sm_90a code runs nowhere else).
@@ -225,10 +225,9 @@ SPLITKV_PAGE_CHUNK = 128     # page ids staged in shared memory at a time
 SPLITKV_PAGE_MULTIPLE = 16   # page sizes the kernels take: multiples of this many rows
 
 
-# The 16-row tile's parts as one thread block cluster (compute capability 9.0): s = CL
-# parts of a Q tile merge through distributed shared memory, no partial in memory;
-# splitkv_fwd_tc_cl<CL> is the instance for CL parts (a cluster of up to 8 CTAs is
-# portable)
+# A Q tile's parts as one thread block cluster (compute capability 9.0): s = CL parts
+# merge through distributed shared memory, no partial in memory; splitkv_fwd_tc_m<Br>_cl<CL>
+# is the instance for tiles of Br rows and CL parts (a cluster of up to 8 CTAs is portable)
 SPLITKV_CLUSTERS = (2, 4, 8)
 
 
@@ -407,7 +406,9 @@ REGISTERS = {
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 152, 128: 173}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
               "splitkv_fwd_tc_m64": {64: 161, 128: 219},
-              **{f"splitkv_fwd_tc_cl{c}": {64: 110, 128: 160} for c in (2, 4, 8)}},
+              **{f"splitkv_fwd_tc_m{Br}_cl{c}": r for Br, r in (
+                  (16, {64: 110, 128: 160}), (32, {64: 124, 128: 190}),
+                  (64, {64: 150, 128: 210})) for c in (2, 4, 8)}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 22,
               "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
@@ -417,9 +418,7 @@ REGISTERS = {
               "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,
               "splitkv_fwd_tc_m16": {64: 144, 128: 166}, "splitkv_fwd_tc_m32": {64: 139, 128: 189},
-              "splitkv_fwd_tc_m64": {64: 153, 128: 213},
-              # built (one module per source), not launched: no clusters before 9.0
-              **{f"splitkv_fwd_tc_cl{c}": {64: 111, 128: 158} for c in (2, 4, 8)}},
+              "splitkv_fwd_tc_m64": {64: 153, 128: 213}},
 }
 
 
@@ -528,14 +527,14 @@ def instances(source: str | None = None) -> list[Instance]:
 
 def _splitkv_instance(k: str, dt: str, D: int) -> Instance:
     src, T, mT = "splitkv_tc.cu", CUDA_TYPES[dt], _MANGLED_T[dt]
+    if k.startswith("splitkv_fwd_tc_m") and "_cl" in k:
+        Br, CL = (int(x) for x in re.fullmatch(r"splitkv_fwd_tc_m(\d+)_cl(\d+)", k).groups())
+        return Instance(src, k, dt, D, f"splitkv_fwd_tc_cl<{T}, {D}, {Br // 16}, {CL}>",
+                        f"_Z17splitkv_fwd_tc_clI{mT}Li{D}ELi{Br // 16}ELi{CL}EE")
     if k.startswith("splitkv_fwd_tc_m"):
         WM = int(k.rsplit("_m", 1)[1]) // 16
         return Instance(src, k, dt, D, f"splitkv_fwd_tc<{T}, {D}, {WM}>",
                         f"_Z14splitkv_fwd_tcI{mT}Li{D}ELi{WM}EE")
-    if k.startswith("splitkv_fwd_tc_cl"):
-        CL = int(k.rsplit("_cl", 1)[1])
-        return Instance(src, k, dt, D, f"splitkv_fwd_tc_cl<{T}, {D}, {CL}>",
-                        f"_Z17splitkv_fwd_tc_clI{mT}Li{D}ELi{CL}EE")
     return Instance(src, k, dt, D, f"{k}<{T}, {D}>", f"_Z{len(k)}{k}I{mT}Li{D}EE")
 
 
@@ -586,8 +585,21 @@ def io_counters() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def name_expressions(source: str = "flash2_ref.cu") -> list[str]:
-    return [i.expr for i in instances(source)]
+def name_expressions(source: str = "flash2_ref.cu", cc: int | None = None) -> list[str]:
+    """NVRTC name expressions of ``source``'s instances; with ``cc`` (the target's compute
+    capability, 0 for the CPU emulation) only those that run there (`runs_on`)."""
+    return [i.expr for i in instances(source) if cc is None or runs_on(i.kernel, cc)]
+
+
+# kernels that need thread block clusters (compute capability 9.0): built and launched
+# there alone
+CLUSTER_MIN_CC = 90
+
+
+def runs_on(kernel: str, cc: int) -> bool:
+    """Whether ``kernel`` is built for, and launched on, compute capability ``cc`` (0:
+    the CPU emulation): the decoding kernels whose parts merge in a cluster need 9.0."""
+    return not ("_cl" in kernel and kernel.startswith("splitkv")) or cc >= CLUSTER_MIN_CC
 
 
 # -- tile shapes --------------------------------------------------------------------------
@@ -744,7 +756,8 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     # one nvcc per (source, build, kernel): the jobs run in parallel, one per core (ptxas
     # on the tensor-core kernels' 255-register instances is most of the time)
     jobs = [(src, count_io, k, target) for src in sources for count_io in modes
-            for k in SOURCES[src] if (target := source_arch(src, arch)) is not None]
+            for k in SOURCES[src] if (target := source_arch(src, arch)) is not None
+            and runs_on(k, int(re.sub(r"\D", "", target)))]
 
     digest = _sources_digest(kdir) + _nvcc_version(nvcc) if cache else None
 

@@ -333,18 +333,23 @@ __device__ __forceinline__ float4 ld_cluster4(unsigned) {
 }
 #endif
 
-// The merge of a cluster's CL parts by its first CTA: each part's partial (O normalised
-// by its own ℓ, fp32, rows × D, and L) sits in that part's shared memory; a thread per 4
-// columns of a row loads the CL parts' L and float4 of O at once (one round trip over
-// the cluster's network, where the merge through memory waits for a fence, an atomic
-// and an L2 round trip), then O = Σ_p exp(L_p − L) O_p, L = log Σ_p exp(L_p). Ends with
-// the cluster's barrier: the other parts keep their shared memory until it has read it.
+// The merge of a cluster's CL parts, spread over its CTAs: each part's partial (O
+// normalised by its own ℓ, fp32, rows × D, and L) sits in that part's shared memory; CTA
+// `rank` takes its share of the tile's rows × D/4 float4 columns, a thread per column
+// loading the CL parts' L and float4 of O at once (one round trip over the cluster's
+// network, where the merge through memory waits for a fence, an atomic and L2 round
+// trips), then O = Σ_p exp(L_p − L) O_p, L = log Σ_p exp(L_p). Ends with the cluster's
+// barrier: every part keeps its shared memory until all have read it.
 template <typename T, int D, int CL>
 __device__ __forceinline__ void combine_cluster(const float* sPO, const float* sPL, T* O, float* L,
                                                 int i0, int rows, int b, int kvh, int G, int Nq,
-                                                int heads, int tid) {
+                                                int heads, int rank, int tid,
+                                                unsigned long long* io) {
     constexpr int C4 = D / 4;
-    for (int x = tid; x < rows * C4; x += skv::THREADS) {
+    const int n = rows * C4, x0 = n * rank / CL, x1 = n * (rank + 1) / CL;
+    COUNT_IO(io, IO_O_W, (long long)(x1 - x0) * 4 * sizeof(T));       // SRAM→HBM: O_i, a share
+    COUNT_IO(io, IO_L_W, (long long)((x1 + C4 - 1) / C4 - (x0 + C4 - 1) / C4) * 4);  // L of its rows
+    for (int x = x0 + tid; x < x1; x += skv::THREADS) {
         const int r = x / C4, c = (x % C4) * 4;
         float lv[CL];
         float4 ov[CL];
@@ -390,7 +395,6 @@ splitkv_body(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restr
              int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
              float scale, float scale_log2, unsigned long long* io) {
     using namespace skv;
-    static_assert(CL == 1 || WM == 1, "clusters merge the 16-row tile's parts only");
     constexpr int WN = WARPS / WM;            // key groups: each warp's share of a tile
     constexpr int KW = Bc / WN;               // keys per warp per tile (16, 32 or 64)
     constexpr int NT = KW / 8;                // its n-tiles of S
@@ -409,9 +413,12 @@ splitkv_body(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restr
     float* sL = sM + WN * Br;                                        // WN · Br
     float* sW = sL + WN * Br;                                        // WN · Br
     float* sO = reinterpret_cast<float*>(sK);   // WN · Br · D, over the K/V tiles at the end
-    float* sPO = sO + WN * Br * D;              // the part's partial (cluster): Br · D, then
-    float* sPL = sPO + Br * D;                  // its L: Br, also over the K/V tiles
-    static_assert(CL == 1 || (WN + 1) * Br * D * 4 + Br * 4 <= 2 * STAGES * Bc * D * (int)sizeof(T),
+    // the part's partial (cluster): Br · D, then its L: Br, also over the K/V tiles; with
+    // one key group its O is the partial, weighed in place (each value by its thread)
+    constexpr int PO = WN == 1 ? 0 : WN * Br * D;
+    float* sPO = sO + PO;
+    float* sPL = sPO + Br * D;
+    static_assert(CL == 1 || (PO + Br * D + Br) * 4 <= 2 * STAGES * Bc * D * (int)sizeof(T),
                   "the merge's buffers fit in the K/V stages");
 
     const int s = gridDim.x, p = blockIdx.x, i = blockIdx.y;
@@ -688,17 +695,11 @@ splitkv_body(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restr
         else Osplit[(slot + i0 + r) * D + col] = val;
     }
     if constexpr (CL > 1) {
-        // every part's partial is in its CTA's shared memory once the cluster has met
+        // every part's partial is in its CTA's shared memory once the cluster has met;
+        // then each part merges its share of the tile, reading the others' (NOTES.md v35)
         cluster_arrive();
         cluster_wait();
-        if (p == 0) {     // the first part merges, reading the others' shared memory
-            COUNT_IO(io, IO_O_W, (long long)rows * D * sizeof(T));   // SRAM→HBM: O_i
-            COUNT_IO(io, IO_L_W, (long long)rows * 4);               // SRAM→HBM: L_i
-            combine_cluster<T, D, CL>(sPO, sPL, O, L, i0, rows, b, kvh, G, Nq, heads, tid);
-        } else {                // the others keep theirs until it has read them
-            cluster_arrive();
-            cluster_wait();
-        }
+        combine_cluster<T, D, CL>(sPO, sPL, O, L, i0, rows, b, kvh, G, Nq, heads, p, tid, io);
         return;
     }
     if (s == 1) {
@@ -751,10 +752,10 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
                               scale_log2, io);
 }
 
-// The 16-row tile's s = CL parts as one thread block cluster (compute capability 9.0):
-// the grid's x axis is the cluster, and the parts merge through distributed shared
-// memory; Osplit, Lsplit and sem are not used.
-template <typename T, int D, int CL>
+// A Q tile's s = CL parts as one thread block cluster (compute capability 9.0): the
+// grid's x axis is the cluster, and the parts merge through distributed shared memory;
+// Osplit, Lsplit and sem are not used.
+template <typename T, int D, int WM, int CL>
 __global__ void SKV_CLUSTER(CL) __launch_bounds__(skv::THREADS, 2)
 splitkv_fwd_tc_cl(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
                   const int* __restrict__ block_table, const int* __restrict__ seqlens,
@@ -762,7 +763,7 @@ splitkv_fwd_tc_cl(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __
                   float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
                   int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
                   float scale, float scale_log2, unsigned long long* io) {
-    splitkv_body<T, D, 1, CL>(Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq,
+    splitkv_body<T, D, WM, CL>(Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq,
                               heads, kv_heads, page_rows, max_pages, num_pages, causal, scale,
                               scale_log2, io);
 }

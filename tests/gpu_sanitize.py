@@ -253,9 +253,9 @@ def decoding(rng, n_cases, dtypes):
                 q = dev(rng.standard_normal((batch, Nq, kvh * g, d)), dtype)
                 new = [dev(rng.standard_normal((batch, Nnew, kvh, d)), dtype)
                        for _ in range(2)] if Nnew else [None, None]
-                # the merge through memory, and (9.0, up to 16 packed rows) in a cluster
+                # the merge through memory, and (9.0) in a cluster
                 runs = [(1, False), (3, False)]
-                if Nq * g <= 16 and clusters:
+                if clusters:
                     runs += [(2, True), (8, True)]
                 for splits, cluster in runs:
                     for count_io in (False, True):

@@ -42,17 +42,18 @@ def test_every_kernel_compiles_without_spills(arch):
     rows = built(arch)
     expected = {(i.kernel, i.dtype, i.D, i.variant, i.varlen, inst)
                 for i in kernels.instances() for inst in (False, True)
-                if kernels.source_arch(i.source, arch)}
+                if kernels.source_arch(i.source, arch)
+                and kernels.runs_on(i.kernel, int(arch[3:5]))}
     # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: the
     # backward's pre-pass × 2 dtypes × 3 head dims (64, 128, 256), the forward × 2 × 8 head
     # dims (32, 64, …, 256) and the backward's 2 kernels × 2 × 7 (all but 224), each plain,
     # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
     # forward × 2 dtypes × 8 head dims, the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
     # TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and its backward's 2
-    # kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 7 × 2 × 2 (the append,
-    # 3 tiles, 3 cluster sizes: built for sm_80 too, where they are never launched)
+    # kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
+    # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
-                                 + (48 + 84 + 12 + 8 if arch == "sm_90" else 0) + 7 * 4)
+                                 + (48 + 84 + 12 + 8 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -106,10 +107,8 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
         elif r.kernel in ("flash2_bwd_wg", "flash2_bwd_wg_det", "flash2_bwd_ws",
                           "flash2_bwd_ws_det"):
             Br, Bc = kernels.wg_blocks(d, backward=True)
-        elif r.kernel.startswith("splitkv_fwd_tc_m"):
-            Br, Bc = int(r.kernel.rsplit("_m", 1)[1]), kernels.SPLITKV_BC
-        elif r.kernel.startswith("splitkv_fwd_tc_cl"):     # the 16-row tile's clusters
-            Br, Bc = 16, kernels.SPLITKV_BC
+        elif r.kernel.startswith("splitkv_fwd_tc_m"):     # …_m<Br>, …_m<Br>_cl<CL>
+            Br, Bc = int(r.kernel.split("_m")[1].split("_")[0]), kernels.SPLITKV_BC
         else:
             Br, Bc = kernels.default_block_sizes(d, d, r.dtype, hw.smem_per_block,
                                                  r.kernel == "flash2_bwd_main")

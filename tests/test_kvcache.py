@@ -152,7 +152,7 @@ def test_a_cluster_holds_at_most_16_parts():
 def test_the_gpu_launcher_merges_short_parts_in_a_cluster():
     """flashsim.gpu.decode's rule (no GPU needed): the largest cluster no larger than the
     memory merge's split count whose CTAs find an SM each (clusters of 4 and 8: 7/8 of
-    them), if its parts hold at most CLUSTER_PART_TILES tiles."""
+    them), if its parts hold at most CLUSTER_PART_TILES tiles per 16 packed rows."""
     from flashsim.gpu.decode import cluster_splits
     assert cluster_splits(8, 132, 16, 8) == 8           # GQA 32/8, batch 1, 1k keys
     assert cluster_splits(8, 132, 64, 16) == 8          # … 4k keys: 8 tiles per part
@@ -161,6 +161,10 @@ def test_the_gpu_launcher_merges_short_parts_in_a_cluster():
     assert cluster_splits(64, 132, 16, 2) == 2          # batch 8: 128 CTAs in pairs
     assert cluster_splits(64, 132, 64, 2) is None       # … 4k keys: 32 tiles per part
     assert cluster_splits(256, 132, 16, 1) is None      # no split, no merge
+    # 64 packed rows (GQA 32/8, Nq = 16): the memory merge costs more, longer parts pay
+    assert cluster_splits(8, 132, 256, 32, rows=64) == 8          # 16k keys: 32 tiles a part
+    assert cluster_splits(8, 132, 1024, 32, rows=64) is None      # 64k keys
+    assert cluster_splits(64, 132, 64, 4, rows=64) == 2           # batch 8, 4k keys
 
 
 @settings(max_examples=40, deadline=None)

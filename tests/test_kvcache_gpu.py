@@ -53,7 +53,7 @@ def kvcache_problems(draw, dtypes=None, max_len=300):
     causal = draw(st.booleans())
     splits = draw(st.sampled_from([None, None, 1, 2, 3, 5, 16]))
     cluster = None
-    if Nq * g <= 16 and clusters():
+    if clusters():
         cluster = draw(st.sampled_from([None, True, False]))
         if cluster:
             splits = draw(st.sampled_from([None, *fs.kernels.SPLITKV_CLUSTERS]))
@@ -172,15 +172,17 @@ def test_every_tile_shape(poisoned, dtype, d, Nq, g):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("CL", fs.kernels.SPLITKV_CLUSTERS)
-def test_every_cluster_instance(poisoned, dtype, d, CL):
-    """Each cluster instance: packed GQA rows of a paged cache restaged within a part,
-    causal, a short sequence with empty parts beside a long one (whose parts all run),
-    and a tile of 16 rows (a thread per 4 columns, several rows each)."""
-    for Nq, g, lens in ((1, 4, [700, 70]), (2, 8, [1500, 3])):
-        plan = check_kvcache(dict(dtype=dtype, d=d, batch=2, Nq=Nq, kv_heads=2, g=g, page=16,
-                                  lens=lens, Nnew=1, causal=True, splits=CL, cluster=True,
-                                  seed=CL * g))
-        assert plan.cluster and plan.kernel == f"splitkv_fwd_tc_cl{CL}" and plan.num_splits == CL
+@pytest.mark.parametrize("Nq,g", [(1, 4), (2, 8), (4, 8), (16, 4), (16, 8)])
+def test_every_cluster_instance(poisoned, dtype, d, CL, Nq, g):
+    """Each cluster instance (tiles of 16, 32 and 64 packed rows, and more rows than a
+    tile holds): a paged cache restaged within a part, causal, a short sequence with
+    empty parts beside a long one whose parts all run."""
+    plan = check_kvcache(dict(dtype=dtype, d=d, batch=2, Nq=Nq, kv_heads=2, g=g, page=16,
+                              lens=[1500, 3 + Nq], Nnew=1, causal=True, splits=CL,
+                              cluster=True, seed=CL * g))
+    Br = fs.kernels.splitkv_rows(Nq * g)
+    assert plan.cluster and plan.num_splits == CL
+    assert plan.kernel == f"splitkv_fwd_tc_m{Br}_cl{CL}"
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not clusters(),
@@ -197,9 +199,6 @@ def test_the_launcher_merges_short_parts_in_a_cluster():
     lens = np.array([L], np.int32)
     with pytest.raises(ValueError, match="a cluster merges"):
         fs.gpu.kvcache_plan(q, kc, cache_seqlens=lens, num_splits=3, cluster=True)
-    with pytest.raises(ValueError, match="at most 16 packed"):
-        fs.gpu.kvcache_plan(xp.zeros((1, 8, 32, 128), xp.float16), kc, cache_seqlens=lens,
-                            cluster=True)
     with pytest.raises(TypeError, match="cluster must be"):
         fs.gpu.kvcache_plan(q, kc, cache_seqlens=lens, cluster="yes")
 

@@ -141,8 +141,11 @@ def module(source: str, count_io: bool, device: int, exprs: tuple | None = None)
             raise GPUUnavailableError(f"{source} ({K.ARCH_SPECIFIC[source]}) is not emulated: "
                                       "the CPU emulation runs the reference rung")
         return ArchModule(source, code, count_io, exprs)
+    # the instances that run on this device (none needing clusters below 9.0, nor in the
+    # CPU emulation)
+    target = 0 if is_emulated() else cc(device)
     return cp.RawModule(code=code, options=compile_options(count_io),
-                        name_expressions=K.name_expressions(source))
+                        name_expressions=K.name_expressions(source, target))
 
 
 class ArchModule:

@@ -39,7 +39,7 @@ class KVCachePlan:
     def cluster(self) -> bool:
         """Whether a Q tile's parts run as one thread block cluster and merge their
         partials through distributed shared memory (none reaches memory)."""
-        return self.kernel.startswith("splitkv_fwd_tc_cl")
+        return "_cl" in self.kernel
 
 
 def _host_ints(x, name: str) -> np.ndarray:
@@ -200,24 +200,29 @@ def _sm_props(device: int) -> tuple[int, int, int]:
             int(props["sharedMemPerMultiprocessor"]))
 
 
-# The merge in a cluster (splitkv_fwd_tc_cl, compute capability 9.0) saves the merge
-# through memory's fence, counter and L2 round trips, about 1 µs of a decoding step on an
-# H100; it pays where a step is that short: parts of at most CLUSTER_PART_TILES K/V tiles
-# (kernels_cu/NOTES.md v35). Clusters of 4 and 8 CTAs fill at most 7/8 of an H100's SMs
-# one CTA each (a GPC whose SMs are not a multiple of the cluster keeps the rest idle:
-# 128 CTAs in clusters of 4 or 8 ran on 120 SMs, 8 of them holding two).
+# The merge in a cluster (splitkv_fwd_tc_m<Br>_cl<CL>, compute capability 9.0) saves the
+# merge through memory's partials, fence, counter and L2 round trips: about 1 µs of a
+# decoding step on an H100 for a tile of up to 16 packed rows, 10 µs and more for 64
+# (the partials grow with the rows); it pays where the parts are short beside that: at
+# most CLUSTER_PART_TILES K/V tiles per 16 packed rows (kernels_cu/NOTES.md v35, v36).
+# Clusters of 4 and 8 CTAs fill at most 7/8 of an H100's SMs one CTA each (a GPC whose
+# SMs are not a multiple of the cluster keeps the rest idle: 128 CTAs in clusters of 4
+# or 8 ran on 120 SMs, 8 of them holding two).
 CLUSTER_PART_TILES = 8
 
 
-def cluster_splits(work: int, num_sms: int, kv_tiles: int, num_splits: int) -> int | None:
-    """The parts per cluster for ``work`` Q tiles whose caches span ``kv_tiles`` K/V
-    tiles, where the merge through memory would take ``num_splits`` parts: the largest
-    of `kernels.SPLITKV_CLUSTERS` no larger than that whose CTAs find an SM each, if its
-    parts are short (at most CLUSTER_PART_TILES tiles); None: merge through memory."""
+def cluster_splits(work: int, num_sms: int, kv_tiles: int, num_splits: int,
+                   rows: int = 16) -> int | None:
+    """The parts per cluster for ``work`` Q tiles of ``rows`` packed rows whose caches
+    span ``kv_tiles`` K/V tiles, where the merge through memory would take
+    ``num_splits`` parts: the largest of `kernels.SPLITKV_CLUSTERS` no larger than that
+    whose CTAs find an SM each, if its parts are short (at most CLUSTER_PART_TILES
+    tiles per 16 rows); None: merge through memory."""
+    longest = CLUSTER_PART_TILES * max(1, cdiv(rows, 16))
     for CL in sorted(K.SPLITKV_CLUSTERS, reverse=True):
         if CL > num_splits or work * CL > (num_sms if CL <= 2 else num_sms * 7 // 8):
             continue
-        return CL if cdiv(kv_tiles, CL) <= CLUSTER_PART_TILES else None
+        return CL if cdiv(kv_tiles, CL) <= longest else None
     return None
 
 
@@ -252,27 +257,26 @@ def _plan(pr: _Problem, num_splits, cluster=None) -> KVCachePlan:
         s = check_size("num_splits", num_splits, 1)
         if s > 65535:
             raise ValueError(f"num_splits must be at most 65535, got {s}")
-    # the merge in a cluster: the 16-row tile on compute capability 9.0 (not emulated)
-    can = Br == 16 and cc >= 90 and not dev.is_emulated()
+    # the merge in a cluster: compute capability 9.0 (not emulated)
+    can = cc >= 90 and not dev.is_emulated()
     if cluster:
         if not can:
             raise ValueError(
                 "cluster=True needs a GPU of compute capability 9.0 or later (the CPU "
-                f"emulation has no clusters) and at most 16 packed query rows (Nq · heads / "
-                f"kv_heads); got compute capability {cc / 10:.1f}"
-                f"{' (emulated)' if dev.is_emulated() else ''}, {M} rows")
+                f"emulation has no clusters); got compute capability {cc / 10:.1f}"
+                f"{' (emulated)' if dev.is_emulated() else ''}")
         if num_splits is None:
-            s = (cluster_splits(work, sms, kv_tiles, s)
+            s = (cluster_splits(work, sms, kv_tiles, s, min(Br, M))
                  or max(c for c in K.SPLITKV_CLUSTERS if c <= max(s, K.SPLITKV_CLUSTERS[0])))
         elif s not in K.SPLITKV_CLUSTERS:
             raise ValueError(f"a cluster merges {K.SPLITKV_CLUSTERS} parts; got num_splits={s} "
                              "(give one of those, or cluster=False)")
     elif cluster is None and can and s > 1:
-        CL = cluster_splits(work, sms, kv_tiles, s)
+        CL = cluster_splits(work, sms, kv_tiles, s, min(Br, M))
         cluster = CL is not None and (num_splits is None or CL == s)
         s = CL if cluster else s
     if cluster:
-        name = f"splitkv_fwd_tc_cl{s}"
+        name = f"splitkv_fwd_tc_m{Br}_cl{s}"
     return KVCachePlan(name, (Br, Bc), s, (s, Tr, pr.batch * pr.kv_heads))
 
 
@@ -300,7 +304,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     splits per Q tile (None: the occupancy heuristic for this GPU, `kvcache_plan`).
     ``cluster``: whether a Q tile's parts run as one thread block cluster and merge
     their partials through distributed shared memory rather than memory (compute
-    capability 9.0, up to 16 packed rows, 2, 4 or 8 parts); None: where that is faster
+    capability 9.0; 2, 4 or 8 parts); None: where that is faster
     (short parts, `cluster_splits`). Pass the plan's ``cluster`` to
     `flashsim.simulate_kvcache` to predict the traffic.
     The caches must be contiguous device arrays (or PyTorch CUDA tensors) for the append
