@@ -34,6 +34,13 @@
 //                                the CTA that merges), its threads spread over the rows
 //                                and columns with many parts' loads in flight (a tile
 //                                of few rows: one online pass, a thread per 4 columns).
+//   splitkv_fwd_tc_cl<T, D, WM, CL>
+//                              the same parts as one thread block cluster of CL CTAs
+//                              (compute capability 9.0; s = CL): each part's partial
+//                              stays in its shared memory, and after the cluster's
+//                              barrier every part merges a share of the tile's rows
+//                              from all of them (distributed shared memory): no
+//                              partial, fence or counter in memory.
 //
 // Layouts: q and O (batch, Nq, heads, D); L (batch, heads, Nq); the caches (pages,
 // page_rows, kv_heads, D), a contiguous cache being one page of `capacity` rows per
@@ -315,8 +322,8 @@ __device__ __forceinline__ float4 ld_cluster4(unsigned a) {
     return v;
 }
 #else
-// no clusters before 9.0, nor in the CPU emulation: the cluster kernel is built there
-// (one module per source) but never launched (flashsim.gpu.decode picks it on 9.0 alone)
+// no clusters before 9.0, nor in the CPU emulation: no cluster kernel is instantiated
+// there (kernels.runs_on); these stand-ins keep the rest of the source compiling
 #define SKV_CLUSTER(n)
 #ifdef FLASHSIM_HOST
 #define SKV_NO_CLUSTER() std::abort()
