@@ -165,6 +165,9 @@ def test_the_gpu_launcher_merges_short_parts_in_a_cluster():
     assert cluster_splits(8, 132, 256, 32, rows=64) == 8          # 16k keys: 32 tiles a part
     assert cluster_splits(8, 132, 1024, 32, rows=64) is None      # 64k keys
     assert cluster_splits(64, 132, 64, 4, rows=64) == 2           # batch 8, 4k keys
+    # … as many CTAs per SM as fit: 256 in clusters of 4 where three fit (d = 64), not two
+    assert cluster_splits(64, 132, 16, 6, rows=64, ctas_per_sm=3) == 4
+    assert cluster_splits(64, 132, 16, 6, rows=64, ctas_per_sm=2) == 2
 
 
 @settings(max_examples=40, deadline=None)

@@ -205,22 +205,24 @@ def _sm_props(device: int) -> tuple[int, int, int]:
 # decoding step on an H100 for a tile of up to 16 packed rows, 10 µs and more for 64
 # (the partials grow with the rows); it pays where the parts are short beside that: at
 # most CLUSTER_PART_TILES K/V tiles per 16 packed rows (kernels_cu/NOTES.md v35, v36).
-# Clusters of 4 and 8 CTAs fill at most 7/8 of an H100's SMs one CTA each (a GPC whose
-# SMs are not a multiple of the cluster keeps the rest idle: 128 CTAs in clusters of 4
-# or 8 ran on 120 SMs, 8 of them holding two).
+# Clusters of 4 and 8 CTAs find at most 7/8 of an H100's SMs (a GPC whose SMs are not a
+# multiple of the cluster keeps the rest idle: 128 CTAs in clusters of 4 or 8 ran on 120
+# SMs, 8 of them holding two).
 CLUSTER_PART_TILES = 8
 
 
 def cluster_splits(work: int, num_sms: int, kv_tiles: int, num_splits: int,
-                   rows: int = 16) -> int | None:
+                   rows: int = 16, ctas_per_sm: int = 1) -> int | None:
     """The parts per cluster for ``work`` Q tiles of ``rows`` packed rows whose caches
     span ``kv_tiles`` K/V tiles, where the merge through memory would take
     ``num_splits`` parts: the largest of `kernels.SPLITKV_CLUSTERS` no larger than that
-    whose CTAs find an SM each, if its parts are short (at most CLUSTER_PART_TILES
-    tiles per 16 rows); None: merge through memory."""
+    whose CTAs all run at once (``ctas_per_sm`` on each SM a cluster of that size can
+    use), if its parts are short (at most CLUSTER_PART_TILES tiles per 16 rows); None:
+    merge through memory."""
     longest = CLUSTER_PART_TILES * max(1, cdiv(rows, 16))
     for CL in sorted(K.SPLITKV_CLUSTERS, reverse=True):
-        if CL > num_splits or work * CL > (num_sms if CL <= 2 else num_sms * 7 // 8):
+        sms = num_sms if CL <= 2 else num_sms * 7 // 8
+        if CL > num_splits or work * CL > sms * ctas_per_sm:
             continue
         return CL if cdiv(kv_tiles, CL) <= longest else None
     return None
@@ -237,20 +239,21 @@ def _plan(pr: _Problem, num_splits, cluster=None) -> KVCachePlan:
     work = pr.batch * pr.kv_heads * Tr
     kv_tiles = cdiv(int((pr.seqlens + pr.Nnew).max()), Bc)
     sms, cc, smem_per_sm = _device_sms()
+    if Br == 16:
+        # the 16-row kernel (3 K/V tiles in flight per CTA) fills the SMs one CTA each, and
+        # its split rule counts every part's fixed costs (its Q tile, its first K/V tile's
+        # latency, its partial and counter) as a 64-row combine: fewer, longer parts; with
+        # the 3 stages, 0.77–1.04× (mean 0.93×) the time of 2 stages and the occupancy
+        # rule over 48 decoding steps on an H100 (kernels_cu/NOTES.md v33). Its clusters
+        # count one CTA per SM too (two per SM in clusters of 4 ran up to 5% slower, v35)
+        per_sm, rows = 1, 64
+    else:
+        smem = K.smem_bytes(name, Br, Bc, pr.d, pr.d, pr.q.dtype)
+        per_sm = max(1, K.ctas_per_sm(threads=K.SPLITKV_THREADS,
+                                      registers=K.registers(name, pr.d, cc), smem=smem,
+                                      smem_per_sm=smem_per_sm))
+        rows = min(Br, M)
     if num_splits is None:
-        if Br == 16:
-            # the 16-row kernel (3 K/V tiles in flight per CTA) fills the SMs one CTA
-            # each, and counts every part's fixed costs (its Q tile, its first K/V tile's
-            # latency, its partial and counter) as a 64-row combine: fewer, longer parts;
-            # with the 3 stages, 0.77–1.04× (mean 0.93×) the time of 2 stages and the
-            # occupancy rule over 48 decoding steps on an H100 (kernels_cu/NOTES.md v33)
-            per_sm, rows = 1, 64
-        else:
-            smem = K.smem_bytes(name, Br, Bc, pr.d, pr.d, pr.q.dtype)
-            per_sm = max(1, K.ctas_per_sm(threads=K.SPLITKV_THREADS,
-                                          registers=K.registers(name, pr.d, cc), smem=smem,
-                                          smem_per_sm=smem_per_sm))
-            rows = min(Br, M)
         s = num_splits_heuristic(work, sms, kv_tiles, ctas_per_sm=per_sm, balance_waves=True,
                                  combine_rows=rows, Bc=Bc)
     else:
@@ -266,13 +269,13 @@ def _plan(pr: _Problem, num_splits, cluster=None) -> KVCachePlan:
                 f"emulation has no clusters); got compute capability {cc / 10:.1f}"
                 f"{' (emulated)' if dev.is_emulated() else ''}")
         if num_splits is None:
-            s = (cluster_splits(work, sms, kv_tiles, s, min(Br, M))
+            s = (cluster_splits(work, sms, kv_tiles, s, min(Br, M), per_sm)
                  or max(c for c in K.SPLITKV_CLUSTERS if c <= max(s, K.SPLITKV_CLUSTERS[0])))
         elif s not in K.SPLITKV_CLUSTERS:
             raise ValueError(f"a cluster merges {K.SPLITKV_CLUSTERS} parts; got num_splits={s} "
                              "(give one of those, or cluster=False)")
     elif cluster is None and can and s > 1:
-        CL = cluster_splits(work, sms, kv_tiles, s, min(Br, M))
+        CL = cluster_splits(work, sms, kv_tiles, s, min(Br, M), per_sm)
         cluster = CL is not None and (num_splits is None or CL == s)
         s = CL if cluster else s
     if cluster:
