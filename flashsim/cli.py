@@ -31,7 +31,7 @@ SIMULATE_ALGORITHMS = CORE_ALGORITHMS + ("splitkv", "square", "ring")
 SWEEP_ALGORITHMS = CORE_ALGORITHMS + ("square",)
 from .reference import attention_reference
 from .simulate import simulate
-from .splitkv import theory_splitkv
+from .splitkv import CLUSTER_MAX, theory_splitkv
 from .tiling import Tiles, band_for, cdiv, parse_size, resolve_block_sizes, sram_footprint
 from .traffic import format_table
 from .hardware import PRESETS, get as get_hardware
@@ -300,9 +300,9 @@ def run_simulate(args) -> int:
         raise CLIError(f"--num-splits must be >= 1, got {splits}")
     if args.cluster and alg != "splitkv":
         raise CLIError(f"--cluster applies to --algorithm splitkv, not {alg}")
-    if args.cluster and splits > 16:
-        raise CLIError(f"a cluster holds at most 16 thread blocks: --num-splits {splits} with "
-                       "--cluster (drop --cluster, or split less)")
+    if args.cluster and splits > CLUSTER_MAX:
+        raise CLIError(f"a cluster holds at most {CLUSTER_MAX} thread blocks: --num-splits "
+                       f"{splits} with --cluster (drop --cluster, or split less)")
     sram = args.sram
     if sram is None and args.block_sizes is None:
         sram = DEFAULT_SRAM

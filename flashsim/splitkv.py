@@ -56,9 +56,11 @@ For one query (Nq = 1) the K/V bytes are flash2's; the extra cost is the partial
 
 **The merge in a cluster** (``cluster=True``, Hopper's thread block clusters): the s
 parts of a Q tile run together as one cluster of s thread blocks, each keeping its
-partial (Osplit_ip, Lsplit_ip) in its own SRAM; after a cluster-wide barrier the first
-part's block reads the others' partials from their SRAM (distributed shared memory, an
-SM-to-SM network, not the memory hierarchy) and writes O_i, L_i. No partial reaches HBM:
+partial (Osplit_ip, Lsplit_ip) in its own SRAM; after a cluster-wide barrier the parts'
+blocks read one another's partials from their SRAM (distributed shared memory, an
+SM-to-SM network, not the memory hierarchy), each merging a share of the tile's rows and
+writing that share of O_i, L_i (simulated here as one merge per tile: the same values
+and the same HBM writes). No partial reaches HBM:
 the traffic is the table above without the Osplit and Lsplit lines. The parts are the
 same (an empty part joins the cluster's barriers with an empty partial and moves
 nothing), so outputs are the memory merge's. A cluster holds at most 16 thread blocks
