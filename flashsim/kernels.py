@@ -187,7 +187,8 @@ WS_HEAD_DIMS = (64, 96, 128)
 WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
-# and dO_i in a ring of WS_STAGES slots, dQ added by bulk reduce-adds, at D ∈
+# and dO_i in a ring of WS_STAGES slots, dQ added by the copy engine's tensor reduce-adds
+# from two shared buffers (where dQacc's rows of d floats are 16-byte multiples), at D ∈
 # WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253 registers do not fit the 240 a
 # consumer gets beside a producer: it spills 212 bytes)
 WS_BWD_HEAD_DIMS = (128,)
@@ -628,8 +629,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (2 * Bc * d + 4 * Br * d + Bc * Br) * 2 + 4 * Br * 4 + 1024 + wide
     if kernel in ("flash2_bwd_ws", "flash2_bwd_ws_det"):
         # the same with WS_STAGES slots of Q_i, dO_i, L_i, D_i and dSᵀ double-buffered; and
-        # (not deterministic) dQ_i in fp32, rows padded by 4 floats
-        sdq = Br * (d + 4) * 4 if kernel == "flash2_bwd_ws" else 0
+        # (not deterministic) dQ_i in fp32, double-buffered
+        sdq = 2 * Br * d * 4 if kernel == "flash2_bwd_ws" else 0
         return ((2 * Bc * d + 2 * WS_STAGES * Br * d + 2 * Bc * Br) * 2 + sdq
                 + 2 * WS_STAGES * Br * 4 + 1024)
     if kernel == "flash1_fwd":      # K_j, V_j; Q_i, O_i; S; m, ℓ and O's two weights

@@ -36,8 +36,8 @@
 //   flash2_bwd_ws<T, D, VAR>, flash2_bwd_ws_det<T, D, VAR>  the backward main loop,
 //                        D = 128 (d, dv ≤ D: the columns past them arrive zero-filled, as
 //                        in the forward): flash2_bwd_wg's tiles and steps with a
-//                        producer warpgroup that loads by TMA and adds dQ by bulk
-//                        reduce-adds (below; NOTES v23).
+//                        producer warpgroup that loads by TMA and adds dQ through
+//                        the copy engine's reduce-adds (below; NOTES v23, v37).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO (the accounting rules'
 // rows, whatever the copy engine zero-fills).
@@ -301,10 +301,14 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 //     products and its own loads of L_i, D_i have read it. Rows past Nq arrive
 //     zero-filled (the tensor map's bound), with L = +∞, so P and dS are 0 there as in
 //     flash2_bwd_wg;
-//   - dQ_i (not _det): the consumers store it into shared memory, and a third producer
-//     warp adds it to dQacc with bulk reduce-adds (cp.reduce.async.bulk, one per row,
-//     summed in L2), where flash2_bwd_wg's warps issue 16 two-float atomics per thread
-//     per step; _det keeps those atomics, in turns;
+//   - dQ_i (not _det): the consumers store it into one of two shared buffers (blocks of
+//     32 fp32 columns in the 128-byte swizzle: no padding, no bank conflicts), and a
+//     third producer warp has the copy engine add it to dQacc, summed in L2, by D/32
+//     tensor reduce-adds through tmdQ (cp.reduce.async.bulk.tensor: the map's bounds
+//     leave out rows past Nq and columns past d), where flash2_bwd_wg's warps issue 16
+//     two-float atomics per thread per step. With two buffers the consumers store step
+//     i + 1's dQ while the copy engine still reads step i's; _det keeps the atomics,
+//     in turns;
 //   - setmaxnreg: the producer keeps PRODUCER_REGS registers, the two consumer
 //     warpgroups take the rest, 240 (the step at D = 128 fits them; at 64 it spills);
 //   - no CTA barrier in the loop: the consumers meet only at the step's dSᵀ barrier
@@ -319,7 +323,8 @@ constexpr int CONSUMER_REGS = ((65536 / THREADS & ~7) * 3 - PRODUCER_REGS) / 2 &
 template <typename T, int D, bool DET, bool VAR>
 __device__ __forceinline__ void
 bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* tmV,
-       const wg::TensorMap* tmdO, const int* __restrict__ crd, const long long* __restrict__ at,
+       const wg::TensorMap* tmdO, const wg::TensorMap* tmdQ, const int* __restrict__ crd,
+       const long long* __restrict__ at,
        const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc,
        T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv,
        int left, int right, float scale, float k_in, float k_out, const float* __restrict__ slopes,
@@ -338,19 +343,19 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     const unsigned sQ = sV + TILE_KV;                // STAGES slots of BrB·D
     const unsigned sdO = sQ + STAGES * TILE_Q;       // STAGES slots of BrB·D
     const unsigned sdS = sdO + STAGES * TILE_Q;      // 2 × dSᵀ: Bc keys × BrB queries
-    // dQ_i (not DET): BrB rows of D fp32, padded to SDQ_LD so that the consumers' 8-byte
-    // stores of one warp fill each bank twice (the fewest for 256 bytes)
-    constexpr int SDQ_LD = D + 4;
-    constexpr unsigned TILE_dQ = DET ? 0 : BrB * SDQ_LD * 4;
-    float* sdQ = reinterpret_cast<float*>(smem_raw + (sdS + 2 * TILE_dS - smem_addr(smem_raw)));
-    float* sL = sdQ + TILE_dQ / 4;                   // STAGES × BrB
+    // dQ_i (not DET), double-buffered: BrB rows of D fp32 in wgmma.cuh's SdQ layout (blocks
+    // of 32 columns, the 128-byte swizzle), what the copy engine reads through tmdQ
+    constexpr unsigned TILE_dQ = DET ? 0 : BrB * D * 4;
+    const unsigned sdQ = sdS + 2 * TILE_dS;          // 2 × TILE_dQ
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + 2 * TILE_dQ - smem_addr(smem_raw)));   // STAGES × BrB
     float* sD = sL + STAGES * BrB;                   // STAGES × BrB
-    // mbarriers: K_j, V_j full; per slot full, empty; dQ_i full, empty
-    __shared__ __align__(8) unsigned long long bars[3 + 2 * STAGES];
+    // mbarriers: K_j, V_j full; per slot full, empty; per dQ_i buffer full, empty
+    __shared__ __align__(8) unsigned long long bars[5 + 2 * STAGES];
     const unsigned bKV = smem_addr(bars);
     auto full = [&](int s) { return bKV + 8 * (1 + s); };
     auto empty = [&](int s) { return bKV + 8 * (1 + STAGES + s); };
-    const unsigned dQfull = bKV + 8 * (1 + 2 * STAGES), dQempty = dQfull + 8;
+    auto dQfull = [&](int b) { return bKV + 8 * (1 + 2 * STAGES + b); };
+    auto dQempty = [&](int b) { return bKV + 8 * (3 + 2 * STAGES + b); };
 
     const int warp = threadIdx.x >> 5, grp = warp >> 2, lane = threadIdx.x & 31;
     // deterministic mode takes the tiles from the last (flash2_bwd_wg_det's order)
@@ -370,8 +375,10 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
             mbar_init(full(s), 1 + 32);              // the TMA thread's arrival (and the
             mbar_init(empty(s), wgb::THREADS);       // bytes), L/D's warp; every consumer
         }                                            // thread (each read L_i, D_i itself)
-        mbar_init(dQfull, wgb::THREADS);             // every consumer thread's stores
-        mbar_init(dQempty, 1);                       // the reducing warp's
+        for (int b = 0; b < 2; ++b) {
+            mbar_init(dQfull(b), wgb::THREADS);      // every consumer thread's stores
+            mbar_init(dQempty(b), 1);                // the reducing warp's
+        }
         mbar_init_fence();
     }
     __syncthreads();
@@ -415,23 +422,23 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
                 mbar_arrive(full(s));                // release: the stores above come first
             }
         } else if (warp == 2 && !DET) {
-            // dQacc_i += dQ_i: a bulk reduce-add (the copy engine's, in L2) per row of the
-            // step's shared dQ_i (its first d columns: dQacc's rows are d wide), rows past
-            // Nq left out, once both warpgroups stored theirs
-            for (int i = ilo; i <= ihi; ++i) {
-                const int n = i - ilo, i0 = i * BrB, rows = min(BrB, nq - i0);
-                const long long q_row = (long long)p * Nq + i0;
-                mbar_wait(dQfull, n & 1);
-                for (int r = lane; r < rows; r += 32)
-                    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                                 :: "l"(dQacc + (q_row + r) * d), "r"(smem_addr(sdQ + r * SDQ_LD)), "r"(d * 4)
-                                 : "memory");
-                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // sdQ is read
-                __syncwarp();
-                if (lane == 0) mbar_arrive(dQempty);
+            // dQacc_i += dQ_i: the copy engine adds the step's shared dQ_i in L2, a box of
+            // 32 columns × BrB rows at a time through tmdQ ((d, Nq, problems) of dQacc:
+            // rows past Nq and columns past d fall outside it and are left out), once both
+            // warpgroups stored theirs; the consumers store the next step's into the other
+            // buffer meanwhile
+            if (lane == 0) {
+                for (int i = ilo; i <= ihi; ++i) {
+                    const int n = i - ilo, b = n & 1;
+                    mbar_wait(dQfull(b), (n >> 1) & 1);
+                    for (int cb = 0; cb * 32 < d; ++cb)
+                        tma_reduce_add_3d(tmdQ, cb * 32, i * BrB, p, sdQ + b * TILE_dQ + cb * SdQ<BrB>::BLOCK);
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // the buffer is read
+                    mbar_arrive(dQempty(b));
+                }
+                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");   // and added
             }
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");   // and added
         }
         return;
     }
@@ -446,8 +453,9 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     // deterministic: the consumers (threads 128 … 383) wait for and pass the turn
     auto wait = [&](int i, int rows) {
         wgb::Turn t{nullptr, 0};
-        if constexpr (!DET) {                        // the last step's dQ_i has left sdQ
-            mbar_wait(dQempty, ((i - ilo) & 1) ^ 1);
+        if constexpr (!DET) {                        // the buffer's last dQ has left it
+            t.mine = (i - ilo) & 1;                  // the step's buffer, for pass
+            mbar_wait(dQempty(t.mine), (((i - ilo) >> 1) & 1) ^ 1);
             return t;
         }
         t.counter = dq_turn<DET, false>(sem, nullptr, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &t.mine);
@@ -465,7 +473,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     auto pass = [&](wgb::Turn t) {
         if constexpr (!DET) {                        // this thread's part of dQ_i is in sdQ
             fence_proxy_async();
-            mbar_arrive(dQfull);
+            mbar_arrive(dQfull(t.mine));
         }
         if constexpr (DET) {
             named_sync(2, wgb::THREADS);             // every consumer thread has added
@@ -477,10 +485,10 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     for (int i = ilo; i <= ihi; ++i) {
         const int n = i - ilo, s = n % STAGES;
         mbar_wait(full(s), (n / STAGES) & 1);
-        wgb::step<T, D, VAR, 1, 1, DET ? 0 : SDQ_LD>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
+        wgb::step<T, D, VAR, 1, 1, !DET>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
                                    sdS + (n & 1) * TILE_dS, sL + s * BrB, sD + s * BrB, dv_acc, dk_acc,
                                    scale, k_in, k_out, dQacc, d, slope,
-                                   [&] { mbar_arrive(empty(s)); }, wait, pass, sdQ);
+                                   [&] { mbar_arrive(empty(s)); }, wait, pass, sdQ + (n & 1) * TILE_dQ);
     }
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     wgb::store_dkv<T, D, 1>(tile, dk_acc, dv_acc,
@@ -495,22 +503,24 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
 #define FLASHSIM_BWD_WS_PARAMS                                                                   \
     const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,       \
     const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmdO,      \
+    const __grid_constant__ wg::TensorMap tmdQ,                                                 \
     const int* __restrict__ crd, const long long* __restrict__ at, const float* __restrict__ L, \
     const float* __restrict__ Dv, float* __restrict__ dQacc, T* __restrict__ dK,               \
     T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv, int left, int right, \
     float scale, float k_in, float k_out, const float* __restrict__ slopes,                    \
     int* __restrict__ sem, unsigned long long* io
-#define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, lddk, \
-    lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io
+#define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, &tmdQ, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, \
+    lddk, lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io
 
-// dQ by bulk reduce-adds from shared memory, in no fixed order (sem is not read; pass a
-// null pointer)
+// dQ by the copy engine's reduce-adds from shared memory, in no fixed order (sem is not
+// read; pass a null pointer)
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws(FLASHSIM_BWD_WS_PARAMS) {
     bwd_ws<T, D, false, VAR>(FLASHSIM_BWD_WS_ARGS);
 }
 
-// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step))
+// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step); tmdQ
+// is not read)
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws_det(FLASHSIM_BWD_WS_PARAMS) {
     bwd_ws<T, D, true, VAR>(FLASHSIM_BWD_WS_ARGS);

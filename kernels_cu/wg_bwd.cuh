@@ -58,8 +58,10 @@ template <int WG0> struct Thread {
 // read(): called once this warpgroup's products have read Q_i and dO_i (and L_i, D_i).
 // wait(i, rows) before the step's atomics into dQacc, pass(its Turn) after them: the
 // caller's order of the K/V tiles' additions (the deterministic mode), or none.
-// SDQ_LD > 0: dQ_i goes instead into shared memory at sdQ (fp32, rows SDQ_LD floats
-// apart), for the caller to add to dQacc; wait and pass then bracket those stores.
+// SDQ: dQ_i goes instead into shared memory at sdQ (fp32, wgmma.cuh's SdQ layout: blocks
+// of 32 columns, rows of 128 bytes in the 128-byte swizzle, as the copy engine reads it
+// through a tensor map), for the caller to add to dQacc; wait and pass then bracket those
+// stores.
 struct Turn { int* counter; int mine; };
 
 // step_wide's products of one part (HP columns, from column block b0) of dV_j, dK_j, dQ_i:
@@ -88,13 +90,13 @@ __device__ __forceinline__ void wide_products(float* dv_acc, float* dk_acc, floa
                                         desc(sK + b0 * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
     wgmma_commit();
 }
-template <typename T, int D, bool VAR, int WG0, int BAR, int SDQ_LD = 0, typename Slope, typename Read,
+template <typename T, int D, bool VAR, int WG0, int BAR, bool SDQ = false, typename Slope, typename Read,
           typename Wait, typename Pass>
 __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob, unsigned sdS,
                                      const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
                                      float scale, float k_in, float k_out, float* __restrict__ dQacc,
                                      int d, Slope slope, Read read, Wait wait, Pass pass,
-                                     float* sdQ = nullptr) {
+                                     unsigned sdQ = 0) {
     using namespace wg;
     using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32)
     constexpr int Bc = wgb::Bc, BrB = brb<D>();
@@ -232,9 +234,9 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
 #pragma unroll
     for (int t = 0; t < QN / 8; ++t) {
         const int col = nblk * QN + t * 8 + tig * 2;
-        if constexpr (SDQ_LD > 0) {                  // every row: the caller adds `rows` of them
-            *reinterpret_cast<float2*>(sdQ + r0 * SDQ_LD + col) = make_float2(scale * dq[4 * t], scale * dq[4 * t + 1]);
-            *reinterpret_cast<float2*>(sdQ + r1 * SDQ_LD + col) = make_float2(scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+        if constexpr (SDQ) {                         // every row: the copy engine adds those of the tensor
+            st_shared_f2(sdQ + SdQ<BrB>::at(r0, col), scale * dq[4 * t], scale * dq[4 * t + 1]);
+            st_shared_f2(sdQ + SdQ<BrB>::at(r1, col), scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         } else {
             if (col >= d) break;                     // the instance's columns past d
             if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);

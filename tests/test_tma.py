@@ -139,3 +139,13 @@ def test_the_backward_maps_dO_beside_Q_K_V():
     check_exact(tab, ld, got, d, _tma.BACKWARD)
     assert [g[2] for g in got[1]] == [Nq, Nk, Nk, Nq]
     assert ld[A.AT_dO] == H * d != ld[A.AT_Q]
+
+
+def test_the_backward_adds_dQ_through_a_map_where_its_rows_allow():
+    """flash2_bwd_ws adds dQ into dQacc, (problems, Nq, d) fp32, through a tensor map,
+    whose row stride must be a multiple of 16 bytes: d a multiple of 4 (72, 96, 120, 128
+    have one; 102 and 126 do not, and run flash2_bwd_wg instead). Its boxes are 32
+    columns: 128 bytes, the width of the 128-byte swizzle the kernel stores them in."""
+    assert all(_tma.accumulator_fits(d) for d in (72, 96, 120, 128))
+    assert not any(_tma.accumulator_fits(d) for d in (102, 126))
+    assert _tma.ACC_COLS * 4 == 128

@@ -452,7 +452,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
              A.AT_dO: (doi.arr, "q")}, ld)
         if ws is not None:       # the Hopper backward fed by the copy engine
             ws(cp.cuda.get_current_stream().ptr,
-               tuple(dev.pointer(x) for x in (qi.arr, ki.arr, vi.arr, doi.arr)),
+               tuple(dev.pointer(x) for x in (qi.arr, ki.arr, vi.arr, doi.arr, dQacc)),
                ws.crd.data.ptr, at.data.ptr, L.data.ptr, Dr.data.ptr, dQacc.data.ptr,
                dev.pointer(dK), dev.pointer(dV), Nq, Nk, int(ld[A.AT_dK]), int(ld[A.AT_dV]),
                d, dv, left, right, scale, float(k_in), float(k_out),
@@ -554,8 +554,11 @@ class _TmaLaunch:
     _CTYPES = {"Q": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
 
     def __init__(self, kernel, name: str, grid, threads: int, smem: int, geoms, rows, D: int,
-                 types: str, crd=None):
+                 types: str, crd=None, acc=None):
+        # acc: the geometry (d, N, Z, box rows) of an fp32 accumulator (flash2_bwd_ws's
+        # dQacc) whose map follows the others, for the last of the call's addresses
         self.fptr = kernel.kernel.ptr
+        self.acc = acc
         self.crd = crd           # the maps' coordinates per problem (_tma.plan), on the device
         if smem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = smem
@@ -564,7 +567,7 @@ class _TmaLaunch:
         self.ptrs = None         # the addresses the maps in self.maps were encoded for
         self.launch = dev.cupy().cuda.driver.launchKernel
         # one C object per parameter, rewritten in place per call
-        self.maps = [ctypes.create_string_buffer(128) for _ in geoms]
+        self.maps = [ctypes.create_string_buffer(128) for _ in range(len(geoms) + bool(acc))]
         self.args = [self._CTYPES[t]() for t in types]
         objs = self.maps + self.args
         self.params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(x) for x in objs])
@@ -582,6 +585,9 @@ class _TmaLaunch:
         if tensors != self.ptrs:    # the same addresses (a training loop's): the same maps
             dev.check_grid(self.grid)
             maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
+            if self.acc is not None and maps is not None:
+                acc = _tma.accumulator_map(int(tensors[-1]), *self.acc)
+                maps = None if acc is None else maps + (acc,)
             if maps is None:
                 raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
                                    f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
@@ -622,7 +628,7 @@ class _WsBackwardMain:
         self.ws = ws
 
     def __call__(self, stream: int, q, k, v, at, dout, lse, D, dQacc, dk, dv):
-        self.ws(stream, (q, k, v, dout), self.ws.crd.data.ptr, at, lse, D, dQacc, dk, dv)
+        self.ws(stream, (q, k, v, dout, dQacc), self.ws.crd.data.ptr, at, lse, D, dQacc, dk, dv)
 
 
 def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: bool,
@@ -630,13 +636,13 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
     """The launcher of flash2_bwd_ws (the wg backward's main loop fed by TMA) for these
     arrays (``cols``: Q, K, V, dO), or None where it does not apply (kernels.ws_runs;
     layouts TMA cannot address; FLASHSIM_TMA=0): flash2_bwd_wg then runs, with the same
-    tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO | crd, at, L, D, dQacc,
+    tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO, tmdQ | crd, at, L, D, dQacc,
     dK, dV | Nq, Nk, lddk, lddv, d, dv, left, right | scale, k_in, k_out | slopes, sem,
     io. Head dims below D run its plain instance (``var``: softcap or ALiBi only): the
     copy engine zero-fills the columns past d and dv."""
     d, dv = shape.d, shape.dv
     D = _instance(shape, "wg", backward=True)
-    if not (K.ws_runs(d, dv, D, backward=True, variant=var)
+    if not (K.ws_runs(d, dv, D, backward=True, variant=var) and _tma.accumulator_fits(d)
             and os.environ.get("FLASHSIM_TMA", "1") != "0"):
         return None
     four = {t: cols[t] for t in _tma.BACKWARD}
@@ -658,7 +664,7 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
                       K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
                       K.threads(name, D, dev.cc(cp.cuda.Device().id)),
                       K.smem_bytes(name, Br, Bc, D, D, dtype), geoms, box, D,
-                      "QQQQQQQiiiiiiiifffQQQ", crd)
+                      "QQQQQQQiiiiiiiifffQQQ", crd, (d, shape.Nq, shape.problems, Br))
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
