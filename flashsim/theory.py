@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from .problem import STAT_BYTES, check_algorithm
+from .problem import STAT_BYTES, check_algorithm, check_options
 from .tiling import cdiv
 from .traffic import Traffic
 
@@ -42,6 +42,8 @@ def traffic(algorithm: str, *, Nq: int, Nk: int, d: int, dv: int | None = None,
     """Exact HBM bytes of ``algorithm`` from the closed forms in this module's docstring."""
     check_algorithm(algorithm)
     _no_ring(algorithm)
+    if algorithm != "splitkv":      # num_splits and cluster are splitkv's alone
+        check_options(algorithm, num_splits=num_splits, cluster=cluster)
     dv = d if dv is None else dv
     b, s = itemsize, STAT_BYTES
     if algorithm == "standard":

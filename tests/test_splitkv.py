@@ -340,6 +340,20 @@ def test_theory_bad_num_splits():
         theory_splitkv(Nq=4, Nk=4, d=8, Br=2, Bc=2, causal=True, right=0, num_splits=2)
 
 
+def test_theory_refuses_splitkv_options_for_other_algorithms():
+    """num_splits and cluster belong to splitkv: given for another algorithm they are an
+    error (as in simulate and count), not ignored."""
+    kw = dict(Nq=4, Nk=4, d=8, Br=2, Bc=2)
+    with pytest.raises(ValueError, match="num_splits applies to algorithm='splitkv'"):
+        fs.theory.traffic("flash2", **kw, num_splits=2)
+    with pytest.raises(ValueError, match="cluster applies to algorithm='splitkv'"):
+        fs.theory.traffic("flash1", **kw, cluster=True)
+    with pytest.raises(TypeError, match="cluster must be True or False"):
+        fs.theory.traffic("square", **kw, cluster="yes")
+    assert fs.theory.traffic("flash2", **kw) == fs.count("flash2", Nq=4, Nk=4, d=8,
+                                                          block_sizes=(2, 2))
+
+
 # -- command line ----------------------------------------------------------------------------
 
 def test_cli_simulate_splitkv(capsys):
