@@ -390,17 +390,21 @@ __device__ __forceinline__ void combine_cluster(const float* sPO, const float* s
 
 // -- split-KV attention --------------------------------------------------------------------
 
+// The split kernels' parameters, and the body's arguments from them
+#define SKV_PARAMS                                                                              \
+    const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,               \
+    const int* __restrict__ block_table, const int* __restrict__ seqlens, T* __restrict__ O,   \
+    float* __restrict__ L, float* __restrict__ Osplit, float* __restrict__ Lsplit,             \
+    int* __restrict__ sem, int Nq, int heads, int kv_heads, int page_rows, int max_pages,      \
+    int num_pages, int causal, float scale, float scale_log2, unsigned long long* io
+#define SKV_ARGS Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq, heads,         \
+    kv_heads, page_rows, max_pages, num_pages, causal, scale, scale_log2, io
+
 // The body of both split kernels: splitkv_fwd_tc (CL = 1: partials through memory, the
 // last part merges) and splitkv_fwd_tc_cl (the s = CL parts of a Q tile are one cluster
 // and merge through distributed shared memory).
 template <typename T, int D, int WM, int CL>
-__device__ __forceinline__ void
-splitkv_body(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
-             const int* __restrict__ block_table, const int* __restrict__ seqlens,
-             T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
-             float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
-             int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
-             float scale, float scale_log2, unsigned long long* io) {
+__device__ __forceinline__ void splitkv_body(SKV_PARAMS) {
     using namespace skv;
     constexpr int WN = WARPS / WM;            // key groups: each warp's share of a tile
     constexpr int KW = Bc / WN;               // keys per warp per tile (16, 32 or 64)
@@ -748,15 +752,8 @@ splitkv_body(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restr
 // to 255 registers, where left to itself it capped the 32-row tile at 168 and spilled
 template <typename T, int D, int WM>
 __global__ void __launch_bounds__(skv::THREADS, 2)
-splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
-               const int* __restrict__ block_table, const int* __restrict__ seqlens,
-               T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
-               float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
-               int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
-               float scale, float scale_log2, unsigned long long* io) {
-    splitkv_body<T, D, WM, 1>(Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq,
-                              heads, kv_heads, page_rows, max_pages, num_pages, causal, scale,
-                              scale_log2, io);
+splitkv_fwd_tc(SKV_PARAMS) {
+    splitkv_body<T, D, WM, 1>(SKV_ARGS);
 }
 
 // A Q tile's s = CL parts as one thread block cluster (compute capability 9.0): the
@@ -764,13 +761,6 @@ splitkv_fwd_tc(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __res
 // Osplit, Lsplit and sem are not used.
 template <typename T, int D, int WM, int CL>
 __global__ void SKV_CLUSTER(CL) __launch_bounds__(skv::THREADS, 2)
-splitkv_fwd_tc_cl(const T* __restrict__ Q, const T* __restrict__ Kc, const T* __restrict__ Vc,
-                  const int* __restrict__ block_table, const int* __restrict__ seqlens,
-                  T* __restrict__ O, float* __restrict__ L, float* __restrict__ Osplit,
-                  float* __restrict__ Lsplit, int* __restrict__ sem, int Nq, int heads,
-                  int kv_heads, int page_rows, int max_pages, int num_pages, int causal,
-                  float scale, float scale_log2, unsigned long long* io) {
-    splitkv_body<T, D, WM, CL>(Q, Kc, Vc, block_table, seqlens, O, L, Osplit, Lsplit, sem, Nq,
-                              heads, kv_heads, page_rows, max_pages, num_pages, causal, scale,
-                              scale_log2, io);
+splitkv_fwd_tc_cl(SKV_PARAMS) {
+    splitkv_body<T, D, WM, CL>(SKV_ARGS);
 }

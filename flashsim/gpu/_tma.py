@@ -113,16 +113,21 @@ def tensor_map(ptr: int, geom: tuple, box_rows: int, cols: int = 64) -> bytes | 
     geometry (w, ld, N, Z, zs), boxes of ``cols`` columns × box_rows rows, in the swizzle
     of that width (64: 128 bytes, 32: 64 bytes); None where the driver refuses it."""
     w, ld, N, Z, zs = geom
+    return _encode_3d(ptr, _UINT16, (w, N, Z), (ld * 2, zs * 2), (cols, box_rows),
+                      _SWIZZLE_128B if cols == 64 else _SWIZZLE_64B)
+
+
+def _encode_3d(ptr: int, dtype: int, dims, strides, box, swizzle: int) -> bytes | None:
+    """A 3-D CUtensorMap (128 bytes) of elements ``dtype`` at ``ptr``: ``dims`` in
+    elements, ``strides`` of dims 1 and 2 in bytes, boxes of box[0] × box[1] × 1; None
+    where the address is not 16-byte aligned or the driver refuses it."""
     if ptr % 16:
         return None
     raw = ctypes.create_string_buffer(128 + 64)          # CUtensorMap is 64-byte aligned
     addr = (ctypes.addressof(raw) + 63) & ~63
-    dims = (ctypes.c_uint64 * 3)(w, N, Z)
-    strides = (ctypes.c_uint64 * 2)(ld * 2, zs * 2)       # bytes, of dims 1 and 2
-    box = (ctypes.c_uint32 * 3)(cols, box_rows, 1)
-    step = (ctypes.c_uint32 * 3)(1, 1, 1)
-    rc = _encode()(addr, _UINT16, 3, ptr, dims, strides, box, step, 0,
-                   _SWIZZLE_128B if cols == 64 else _SWIZZLE_64B, _L2_128B, 0)
+    rc = _encode()(addr, dtype, 3, ptr, (ctypes.c_uint64 * 3)(*dims),
+                   (ctypes.c_uint64 * 2)(*strides), (ctypes.c_uint32 * 3)(*box, 1),
+                   (ctypes.c_uint32 * 3)(1, 1, 1), 0, swizzle, _L2_128B, 0)
     if rc != 0:
         return None
     return ctypes.string_at(addr, 128)
@@ -141,19 +146,10 @@ def accumulator_map(ptr: int, d: int, N: int, Z: int, box_rows: int) -> bytes | 
     (wgmma.cuh's SdQ layout), through which flash2_bwd_ws's copy engine adds its dQ_i
     tiles; rows past N and columns past d lie outside it and are not written. None where
     the driver refuses it."""
-    if ptr % 16 or not accumulator_fits(d):
+    if not accumulator_fits(d):
         return None
-    raw = ctypes.create_string_buffer(128 + 64)
-    addr = (ctypes.addressof(raw) + 63) & ~63
-    dims = (ctypes.c_uint64 * 3)(d, N, Z)
-    strides = (ctypes.c_uint64 * 2)(d * 4, N * d * 4)
-    box = (ctypes.c_uint32 * 3)(ACC_COLS, box_rows, 1)
-    step = (ctypes.c_uint32 * 3)(1, 1, 1)
-    rc = _encode()(addr, _FLOAT32, 3, ptr, dims, strides, box, step, 0, _SWIZZLE_128B,
-                   _L2_128B, 0)
-    if rc != 0:
-        return None
-    return ctypes.string_at(addr, 128)
+    return _encode_3d(ptr, _FLOAT32, (d, N, Z), (d * 4, N * d * 4), (ACC_COLS, box_rows),
+                      _SWIZZLE_128B)
 
 
 def maps(ptrs, geoms, rows: tuple, D: int):
