@@ -199,21 +199,21 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 
     // S = Q_i K_jᵀ from K slot kb: D/16 instructions of 64 × Bc × 16, one group
     auto issue_s = [&](unsigned kb) {
+        const unsigned long long dq = desc(sQ + cw * 64 * CL::RB, 16, CL::SBO, CL::MODE),
+                                 dk = desc(kb, 16, CL::SBO, CL::MODE);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const unsigned blk = kk / CL::KSTEPS;    // the column block, and 16 columns =
             const unsigned step = (kk % CL::KSTEPS) << 5;   // 32 bytes into it per k-step
-            const unsigned long long da = desc(sQ + blk * (Br * CL::RB) + cw * 64 * CL::RB + step, 16, CL::SBO, CL::MODE);
-            const unsigned long long db = desc(kb + blk * (Bc * CL::RB) + step, 16, CL::SBO, CL::MODE);
-            Wgmma<T, Bc>::ss(s, da, db, kk > 0);
+            Wgmma<T, Bc>::ss(s, desc_plus(dq, blk * (Br * CL::RB) + step), desc_plus(dk, blk * (Bc * CL::RB) + step), kk > 0);
         }
         wgmma_commit();
     };
     // O_i += P V_j from V slot vb: Bc/16 instructions of 64 × D × 16, one group
     auto issue_pv = [&](unsigned vb) {
+        const unsigned long long dv = desc(vb, Bc * CL::RB, CL::SBO, CL::MODE);
 #pragma unroll
-        for (int kk = 0; kk < Bc / 16; ++kk)
-            Wgmma<T, D>::rs(o, pf[kk], desc(vb + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE));
+        for (int kk = 0; kk < Bc / 16; ++kk) Wgmma<T, D>::rs(o, pf[kk], desc_plus(dv, kk * 16 * CL::RB));
         wgmma_commit();
     };
     // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T

@@ -90,41 +90,63 @@ __device__ __forceinline__ void wide_products(float* dv_acc, float* dk_acc, floa
                                         desc(sK + b0 * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
     wgmma_commit();
 }
-template <typename T, int D, bool VAR, int WG0, int BAR, bool SDQ = false, typename Slope, typename Read,
-          typename Wait, typename Pass>
-__device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob, unsigned sdS,
-                                     const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
-                                     float scale, float k_in, float k_out, float* __restrict__ dQacc,
-                                     int d, Slope slope, Read read, Wait wait, Pass pass,
-                                     unsigned sdQ = 0) {
+// step's parts: 1. Sᵀ = K_j Q_iᵀ (step_s) and dPᵀ = V_j dO_iᵀ (step_dp), 64 keys × BrB
+// queries, k = D, a commit group each; 2.–4. (step_mid); dQ_i's additions (step_dq). Each
+// wgmma's descriptors are the operand tile's, computed once per group, plus an immediate
+// (desc_plus): built per instruction, they cost ~200 of the ~970 instructions a consumer
+// warp issued per step (NOTES v38)
+template <typename T, int D, int WG0>
+__device__ __forceinline__ void step_s(const Thread<WG0>& th, const Tile& c, unsigned qb, float* s) {
     using namespace wg;
     using CL = Cols<D>;                              // W = 64 (D = 64, 128), 32 (D = 32)
-    constexpr int Bc = wgb::Bc, BrB = brb<D>();
-    constexpr float LOG2E = 1.4426950408889634f;
-    const float scale_log2 = scale * LOG2E;
-    const Thread<WG0> th;
-    const int g = th.lane >> 2, tig = th.lane & 3;
-    const int kr = th.key();                         // this thread's keys kr, kr + 8 in the tile
-    const int i0 = i * BrB, rows = min(BrB, c.nq - i0);
-    const int j0 = c.j0;
-
-    // 1. Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ: 64 keys × BrB queries, k = D
-    float s[BrB / 2], dp[BrB / 2];
+    constexpr int BrB = brb<D>();
+    const unsigned long long dk = desc(c.sK + th.grp * 64 * CL::RB, 16, CL::SBO, CL::MODE),
+                             dq = desc(qb, 16, CL::SBO, CL::MODE);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const unsigned blk = kk / CL::KSTEPS, stp = (kk % CL::KSTEPS) << 5;   // 16 columns: 32 bytes
-        Wgmma<T, BrB>::ss(s, desc(c.sK + blk * (Bc * CL::RB) + th.grp * 64 * CL::RB + stp, 16, CL::SBO, CL::MODE),
-                          desc(qb + blk * (BrB * CL::RB) + stp, 16, CL::SBO, CL::MODE), kk > 0);
+        Wgmma<T, BrB>::ss(s, desc_plus(dk, blk * (Bc * CL::RB) + stp), desc_plus(dq, blk * (BrB * CL::RB) + stp), kk > 0);
     }
     wgmma_commit();
+}
+template <typename T, int D, int WG0>
+__device__ __forceinline__ void step_dp(const Thread<WG0>& th, const Tile& c, unsigned dob, float* dp) {
+    using namespace wg;
+    using CL = Cols<D>;
+    constexpr int BrB = brb<D>();
+    const unsigned long long dv = desc(c.sV + th.grp * 64 * CL::RB, 16, CL::SBO, CL::MODE),
+                             ddo = desc(dob, 16, CL::SBO, CL::MODE);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const unsigned blk = kk / CL::KSTEPS, stp = (kk % CL::KSTEPS) << 5;
-        Wgmma<T, BrB>::ss(dp, desc(c.sV + blk * (Bc * CL::RB) + th.grp * 64 * CL::RB + stp, 16, CL::SBO, CL::MODE),
-                          desc(dob + blk * (BrB * CL::RB) + stp, 16, CL::SBO, CL::MODE), kk > 0);
+        Wgmma<T, BrB>::ss(dp, desc_plus(dv, blk * (Bc * CL::RB) + stp), desc_plus(ddo, blk * (BrB * CL::RB) + stp), kk > 0);
     }
     wgmma_commit();
+}
+// dQ_i's block of the warpgroup: queries (qblk) and columns (nblk); QN columns or queries
+template <int D> struct DqBlock {
+    static constexpr int QB = brb<D>() / 64;         // query blocks: the warpgroups split
+    static constexpr int QN = D < 64 ? D : 64;       // queries (D ≤ 64) or columns (D = 128)
+};
+// 2.–4. up to dQ_i's product, issued and waited for with the rest (s, dp: step_s's and
+// step_dp's accumulators, Sᵀ and dPᵀ the last two groups in flight). read() is called once
+// the products have read Q_i and dO_i (and L_i, D_i).
+template <typename T, int D, bool VAR, int WG0, int BAR, typename Slope, typename Read>
+__device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
+                                         const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
+                                         float* s, float* dp, float* dq, float scale, float k_in, float k_out,
+                                         Slope slope, Read read) {
+    using namespace wg;
+    using CL = Cols<D>;
+    constexpr int Bc = wgb::Bc, BrB = brb<D>();
+    constexpr float LOG2E = 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
+    const int g = th.lane >> 2, tig = th.lane & 3;
+    const int kr = th.key();                         // this thread's keys kr, kr + 8 in the tile
+    const int i0 = i * BrB;
+    const int j0 = c.j0;
+
     // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per score,
     // kept until dPᵀ landed
     wgmma_wait<VAR ? 0 : 1>();                       // Sᵀ is done; dPᵀ may run on
@@ -173,9 +195,9 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     }
     fence_regs<D / 2>(dv_acc);
     wgmma_fence();
+    const unsigned long long ddo = desc(dob, BrB * CL::RB, CL::SBO, CL::MODE);
 #pragma unroll
-    for (int kk = 0; kk < BrB / 16; ++kk)
-        Wgmma<T, D>::rs(dv_acc, pf[kk], desc(dob + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE));
+    for (int kk = 0; kk < BrB / 16; ++kk) Wgmma<T, D>::rs(dv_acc, pf[kk], desc_plus(ddo, kk * 16 * CL::RB));
     wgmma_commit();
     if constexpr (!VAR) {
         wgmma_wait<1>();                             // dPᵀ is done; dV_j's product may run on
@@ -199,27 +221,26 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     }
     fence_regs<D / 2>(dk_acc);
     wgmma_fence();
+    const unsigned long long dqb = desc(qb, BrB * CL::RB, CL::SBO, CL::MODE);
 #pragma unroll
-    for (int kk = 0; kk < BrB / 16; ++kk)
-        Wgmma<T, D>::rs(dk_acc, dsf[kk], desc(qb + kk * 16 * CL::RB, BrB * CL::RB, CL::SBO, CL::MODE));
+    for (int kk = 0; kk < BrB / 16; ++kk) Wgmma<T, D>::rs(dk_acc, dsf[kk], desc_plus(dqb, kk * 16 * CL::RB));
     wgmma_commit();
     fence_proxy_async();                             // dSᵀ, written by the warps, read by wgmma
     asm volatile("bar.sync %0, %1;\n" :: "n"(BAR), "n"(wgb::THREADS) : "memory");   // every key's dSᵀ
 
     // 4. dQ_i += scale · dS K_j: block (qblk, nblk) of 64 queries × QN columns, k = Bc
     static_assert(D == 32 || D == 64 || D == 128, "the narrow step's instances");
-    constexpr int QB = BrB / 64;                     // query blocks: the warpgroups split
-    constexpr int QN = D < 64 ? D : 64;              // queries (D ≤ 64) or columns (D = 128)
-    const int qblk = th.grp % QB, nblk = th.grp / QB;
-    float dq[QN / 2];
+    using DB = DqBlock<D>;
+    const int qblk = th.grp % DB::QB, nblk = th.grp / DB::QB;
+    const unsigned long long dds = desc(sdS + qblk * (Bc * 128), Bc * 128, 1024),
+                             dk = desc(c.sK + nblk * (DB::QN / CL::W) * (Bc * CL::RB), Bc * CL::RB, CL::SBO, CL::MODE);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk)
-        Wgmma<T, QN>::template ss<1, 1>(dq, desc(sdS + qblk * (Bc * 128) + kk * 16 * 128, Bc * 128, 1024),
-                                        desc(c.sK + nblk * (QN / CL::W) * (Bc * CL::RB) + kk * 16 * CL::RB, Bc * CL::RB, CL::SBO, CL::MODE), kk > 0);
+        Wgmma<T, DB::QN>::template ss<1, 1>(dq, desc_plus(dds, kk * 16 * 128), desc_plus(dk, kk * 16 * CL::RB), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();                                 // and dV_j's, dK_j's products
-    fence_regs<QN / 2>(dq);
+    fence_regs<DB::QN / 2>(dq);
     fence_regs<D / 2>(dv_acc);
     fence_regs<D / 2>(dk_acc);
 #pragma unroll
@@ -228,15 +249,31 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
         asm volatile("" : "+r"(dsf[kk][0]), "+r"(dsf[kk][1]), "+r"(dsf[kk][2]), "+r"(dsf[kk][3]));
     }
     read();
+}
+// dQ_i's block, its product done, added to dQacc (or stored to sdQ: SDQ), between the
+// caller's wait and pass (step's)
+template <typename T, int D, int WG0, bool SDQ, typename Wait, typename Pass>
+__device__ __forceinline__ void step_dq(const Thread<WG0>& th, const Tile& c, long long q_row0, int i, const float* dq, float scale,
+                                        float* __restrict__ dQacc, int d, Wait wait, Pass pass, unsigned sdQ) {
+    using namespace wg;
+    constexpr int BrB = brb<D>();
+    using DB = DqBlock<D>;
+    const int g = th.lane >> 2, tig = th.lane & 3;
+    const int i0 = i * BrB, rows = min(BrB, c.nq - i0);
+    const int qblk = th.grp % DB::QB, nblk = th.grp / DB::QB;
     const long long q_row = q_row0 + i0;
     const Turn turn = wait(i, rows);
     const int r0 = qblk * 64 + th.warp * 16 + g, r1 = r0 + 8;
 #pragma unroll
-    for (int t = 0; t < QN / 8; ++t) {
-        const int col = nblk * QN + t * 8 + tig * 2;
+    for (int t = 0; t < DB::QN / 8; ++t) {
+        const int col = nblk * DB::QN + t * 8 + tig * 2;
         if constexpr (SDQ) {                         // every row: the copy engine adds those of the tensor
-            st_shared_f2(sdQ + SdQ<BrB>::at(r0, col), scale * dq[4 * t], scale * dq[4 * t + 1]);
-            st_shared_f2(sdQ + SdQ<BrB>::at(r1, col), scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+            // columns 32 apart lie a block apart, and rows r0 and r1 = r0 + 8 share their
+            // swizzle: four addresses serve the thread's 2·QN/8 stores
+            static_assert(DB::QN % 32 == 0, "whole 32-column blocks");
+            const unsigned a = sdQ + SdQ<BrB>::at(r0, nblk * DB::QN + (t & 3) * 8 + tig * 2) + (t >> 2) * SdQ<BrB>::BLOCK;
+            st_shared_f2(a, scale * dq[4 * t], scale * dq[4 * t + 1]);
+            st_shared_f2(a + 8 * 128, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         } else {
             if (col >= d) break;                     // the instance's columns past d
             if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);
@@ -244,6 +281,22 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
         }
     }
     pass(turn);
+}
+// One step, its products issued, waited for and dQ_i added in turn
+template <typename T, int D, bool VAR, int WG0, int BAR, bool SDQ = false, typename Slope, typename Read,
+          typename Wait, typename Pass>
+__device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, unsigned qb, unsigned dob, unsigned sdS,
+                                     const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
+                                     float scale, float k_in, float k_out, float* __restrict__ dQacc,
+                                     int d, Slope slope, Read read, Wait wait, Pass pass,
+                                     unsigned sdQ = 0) {
+    const Thread<WG0> th;
+    float s[brb<D>() / 2], dp[brb<D>() / 2], dq[DqBlock<D>::QN / 2];
+    step_s<T, D, WG0>(th, c, qb, s);
+    step_dp<T, D, WG0>(th, c, dob, dp);
+    step_mid<T, D, VAR, WG0, BAR>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale, k_in, k_out,
+                                     slope, read);
+    step_dq<T, D, WG0, SDQ>(th, c, q_row0, i, dq, scale, dQacc, d, wait, pass, sdQ);
 }
 
 // One step above D = 128 (step_wide: D = 160, 192, 224, 256): the CTA's 64 keys meet BrB =

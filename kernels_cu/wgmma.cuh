@@ -25,6 +25,14 @@ __device__ __forceinline__ unsigned long long desc(unsigned addr, unsigned lbo, 
          | (unsigned long long)((sbo >> 4) & 0x3FFF) << 32
          | (unsigned long long)swizzle << 62;
 }
+// desc(addr + off, …) from d = desc(addr, …), off a multiple of 16 bytes: the start address
+// is the low field, and no shared-memory address (< 2^18) carries out of it, so one add of
+// an immediate to the low word where desc() takes five instructions per wgmma (which sat
+// between the wgmma issues of a group: ptxas cannot fold the mask)
+__device__ __forceinline__ unsigned long long desc_plus(unsigned long long d, unsigned off) {
+    const unsigned lo = (unsigned)d + (off >> 4), hi = (unsigned)(d >> 32);
+    return (unsigned long long)hi << 32 | lo;
+}
 
 // How a tile of D columns lies in shared memory: D/W column blocks of W columns, each
 // ROWS rows of RB = 2W bytes, 16-byte chunk c of row r at c ^ swz(r). W = 64 (rows of
