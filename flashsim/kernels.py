@@ -187,12 +187,15 @@ WS_HEAD_DIMS = (64, 96, 128)
 WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
-# and dO_i in a ring of WS_STAGES slots, dQ added by the copy engine's tensor reduce-adds
-# from two shared buffers (where dQacc's rows of d floats are 16-byte multiples), at D ∈
-# WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253 registers do not fit the 240 a
-# consumer gets beside a producer: it spills 212 bytes)
+# and dO_i in a ring of WS_STAGES slots, dQ added by the copy engine's bulk reduce-adds
+# from two shared buffers, at D ∈ WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253
+# registers do not fit the 240 a consumer gets beside a producer: it spills 212 bytes).
+# Its dQ accumulator (not _det's) lies in blocks of DQ_ROWS × DQ_COLS fp32 per problem and
+# step of DQ_ROWS rows, in the order its threads hold dQ_i (common.cuh's DQ_ROWS, DQ_COLS,
+# dq_tiled_at; tests/test_tma.py holds the two equal)
 WS_BWD_HEAD_DIMS = (128,)
 WS_BWD_THREADS = 384
+DQ_ROWS, DQ_COLS = 64, 128
 
 
 def ws_threads(D: int) -> int:
@@ -391,7 +394,7 @@ def threads(kernel: str, d: int, cc: int) -> int:
 # they give against every instance's own count.
 REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
-              "flash2_bwd_postprocess": 24,
+              "flash2_bwd_postprocess": 28,
               "flash2_fwd_tc": {32: 255, 64: 255, 96: 251, 128: 255, 160: 196, 192: 226, 224: 255,
                                 256: 255},
               "flash2_bwd_preprocess_tc": 32,
@@ -411,10 +414,10 @@ REGISTERS = {
                   (16, {64: 110, 128: 160}), (32, {64: 124, 128: 190}),
                   (64, {64: 150, 128: 210})) for c in (2, 4, 8)}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
-              "flash2_bwd_postprocess": 22,
+              "flash2_bwd_postprocess": 30,
               "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
                                 256: 254},
-              "flash2_bwd_preprocess_tc": 28,
+              "flash2_bwd_preprocess_tc": 29,
               "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},
               "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,

@@ -16,7 +16,8 @@
 //                           dO_i, L_i, D_i, recomputes P = exp(S − L) and adds its share
 //                           of dQ_i to the accumulator with fp32 atomics (in order
 //                           of j when sem is given: the deterministic mode).
-//   flash2_bwd_postprocess<T> backward post-pass: dQ = dQacc in the I/O type.
+//   flash2_bwd_postprocess<T> backward post-pass: dQ = dQacc in the I/O type (dQacc in rows,
+//                           or tiled: flash2_bwd_ws's blocks, common.cuh's dq_tiled_at).
 // T ∈ {__half, __nv_bfloat16, float, double}; arithmetic in AccOf<T> (float; double for
 // double). Layout: strided (common.cuh's at table and row strides ld): row r of query
 // problem p of Q, O, dO, dQ, dK, dV and of the K/V problem it reads (GQA groups,
@@ -256,13 +257,21 @@ __global__ void flash2_bwd_main(const T* __restrict__ Q, const T* __restrict__ K
 template <typename T>
 __global__ void flash2_bwd_postprocess(const float* __restrict__ dQacc, T* __restrict__ dQ,
                                        const long long* __restrict__ at, int Nq, int lddq,
-                                       int d, int Br, unsigned long long* io) {
+                                       int d, int Br, int tiled, unsigned long long* io) {
     using A = typename AccOf<T>::type;
     const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
     const long long row = (long long)blockIdx.y * Nq + i0;        // of dQacc
     T* dQi = dQ + at_row0(at, blockIdx.y, AT_dQ) + (long long)i0 * lddq;
-    for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x)
-        dQi[(x / d) * lddq + x % d] = from_acc<T>((A)dQacc[row * d + x]);
+    if (tiled) {             // flash2_bwd_ws's blocks (common.cuh's dq_tiled_at)
+        const long long blk0 = (long long)blockIdx.y * ((Nq + DQ_ROWS - 1) / DQ_ROWS);
+        for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x) {
+            const int r = i0 + (int)(x / d), c = (int)(x % d);
+            dQi[(x / d) * lddq + c] = from_acc<T>((A)dQacc[(blk0 + r / DQ_ROWS) * DQ_BLOCK + dq_tiled_at(r % DQ_ROWS, c)]);
+        }
+    } else {
+        for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x)
+            dQi[(x / d) * lddq + x % d] = from_acc<T>((A)dQacc[row * d + x]);
+    }
     COUNT_IO(io, IO_dQacc_R, (long long)rows * d * 4);            // HBM→SRAM: dQacc_i (Br·d fp32)
     COUNT_IO(io, IO_dQ_W, (long long)rows * d * sizeof(T));       // SRAM→HBM: dQ_i (Br·d)
 }

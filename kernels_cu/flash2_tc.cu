@@ -865,7 +865,7 @@ __global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BW
 
 // flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the
 // reference's flash2_bwd_preprocess with 16-byte accesses: D_i = rowsum(dO_i ∘ O_i) in
-// fp32, and dQacc_i zeroed. D/8 lanes share a row, each reading 8 elements of O and dO
+// fp32, and dQacc_i zeroed (in rows, or tiled: flash2_bwd_ws's blocks). D/8 lanes share a row, each reading 8 elements of O and dO
 // at once (the reference reads one element per thread, rows d apart: uncoalesced).
 // Grid (⌈Nq/Br⌉, problems), 128 threads, Br = PRE_BR rows per CTA.
 namespace tcb {
@@ -873,11 +873,11 @@ constexpr int PRE_BR = 64, PRE_THREADS = 128;
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(tcb::PRE_THREADS)
+__global__ void __launch_bounds__(tcb::PRE_THREADS, 16)   // 16 CTAs an SM: at most 32 registers
 flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
                          const long long* __restrict__ at, float* __restrict__ Dv,
                          float* __restrict__ dQacc, int Nq, int ldo, int lddo, int d, int dv,
-                         unsigned long long* io) {
+                         int tiled, unsigned long long* io) {
     constexpr int LPR = D / 8, RPP = tcb::PRE_THREADS / LPR;    // lanes per row, rows per pass
     const int i0 = blockIdx.x * tcb::PRE_BR, rows = min(tcb::PRE_BR, Nq - i0);
     const long long row = (long long)blockIdx.y * Nq + i0;     // of D, dQacc
@@ -898,8 +898,13 @@ flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
         for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
         if (r < rows && c == 0) Dv[row + r] = acc;
     }
-    float4* z = reinterpret_cast<float4*>(dQacc + row * d);     // rows of d floats, d % 8 = 0
-    for (int x = threadIdx.x; x < rows * d / 4; x += tcb::PRE_THREADS) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // dQacc in rows of d floats (d % 8 = 0), or (tiled, flash2_bwd_ws's) in blocks of
+    // DQ_ROWS = PRE_BR rows × DQ_COLS per problem and step, every float of the block
+    static_assert(tcb::PRE_BR == DQ_ROWS, "a CTA's rows are one block of the tiled dQacc");
+    float4* z = reinterpret_cast<float4*>(tiled ? dQacc + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * DQ_BLOCK
+                                                : dQacc + row * d);
+    const int n4 = tiled ? DQ_BLOCK / 4 : rows * d / 4;
+    for (int x = threadIdx.x; x < n4; x += tcb::PRE_THREADS) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
     COUNT_IO(io, IO_O_R, (long long)rows * dv * sizeof(T));      // HBM→SRAM: O_i (Br·dv)
     COUNT_IO(io, IO_dO_R, (long long)rows * dv * sizeof(T));     // HBM→SRAM: dO_i (Br·dv)
     COUNT_IO(io, IO_D_W, (long long)rows * 4);                   // SRAM→HBM: D_i (Br)

@@ -37,7 +37,7 @@
 //                        D = 128 (d, dv ≤ D: the columns past them arrive zero-filled, as
 //                        in the forward): flash2_bwd_wg's tiles and steps with a
 //                        producer warpgroup that loads by TMA and adds dQ through
-//                        the copy engine's reduce-adds (below; NOTES v23, v37).
+//                        the copy engine's reduce-adds (below; NOTES v23, v37, v39).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO (the accounting rules'
 // rows, whatever the copy engine zero-fills).
@@ -56,6 +56,9 @@ using namespace wg;
 #endif
 #ifndef FLASHSIM_WS_STAGES
 #define FLASHSIM_WS_STAGES 2
+#endif
+#ifndef FLASHSIM_WS_RESCALE_LATE
+#define FLASHSIM_WS_RESCALE_LATE 0
 #endif
 // consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
 // two products are short beside its softmax and a third one's work fills the tensor cores
@@ -237,11 +240,22 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     fence_regs<Bc / 2>(s);
     release(emptyK(0));
     {
-        float a0, a1;                                // O_i is still 0: nothing to scale
-        softmax(jlo, a0, a1);
+        float b0, b1;                                // O_i is still 0: nothing to scale
+        softmax(jlo, b0, b1);
     }
     pack_p();
 
+    // O's rescale by the α of tile j − 1 (a0, a1): FLASHSIM_WS_RESCALE_LATE = 0 does it
+    // once S_j is issued, while the tensor cores run that product, and before P_{j−1} V_{j−1}
+    // is issued (the same operations in the same order: the same bits); 1, at the end of
+    // the step, on the path from the softmax to the next issue
+    float a0 = 1.f, a1 = 1.f;
+    auto rescale = [&]() {
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+            o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+        }
+    };
     for (int j = jlo + 1; j <= jhi; ++j) {
         const int n = j - jlo, sn = n % STAGES, sp = (n - 1) % STAGES;
         mbar_wait(fullK(sn), (n / STAGES) & 1);
@@ -251,12 +265,16 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         turn_wait();
         wgmma_fence();
         issue_s(sK + sn * TILE_KV);
+        if (!FLASHSIM_WS_RESCALE_LATE && j > jlo + 1) {   // (the first step's O is still 0)
+            rescale();
+            fence_regs<D / 2>(o);
+            wgmma_fence();                           // O's registers, written above, read by the product
+        }
         issue_pv(sV + sp * TILE_KV);
         turn_pass();
         wgmma_wait<1>();                             // S_j is done, P_{j−1} V_{j−1} may run on
         fence_regs<Bc / 2>(s);
         release(emptyK(sn));
-        float a0, a1;
         softmax(j, a0, a1);
         wgmma_wait<0>();
         fence_regs<D / 2>(o);
@@ -264,15 +282,13 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk)         // the product has read P_{j−1}: only now
             asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
-#pragma unroll
-        for (int t = 0; t < D / 8; ++t) {
-            o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
-        }
+        if (FLASHSIM_WS_RESCALE_LATE) rescale();
         pack_p();
     }
     {
         const int n = jhi - jlo;
         mbar_wait(fullV(n % STAGES), (n / STAGES) & 1);
+        if (!FLASHSIM_WS_RESCALE_LATE && jhi > jlo) rescale();
         fence_regs<D / 2>(o);
         turn_wait();
         wgmma_fence();
@@ -301,14 +317,15 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 //     products and its own loads of L_i, D_i have read it. Rows past Nq arrive
 //     zero-filled (the tensor map's bound), with L = +∞, so P and dS are 0 there as in
 //     flash2_bwd_wg;
-//   - dQ_i (not _det): the consumers store it into one of two shared buffers (blocks of
-//     32 fp32 columns in the 128-byte swizzle: no padding, no bank conflicts), and a
-//     third producer warp has the copy engine add it to dQacc, summed in L2, by D/32
-//     tensor reduce-adds through tmdQ (cp.reduce.async.bulk.tensor: the map's bounds
-//     leave out rows past Nq and columns past d), where flash2_bwd_wg's warps issue 16
-//     two-float atomics per thread per step. With two buffers the consumers store step
-//     i + 1's dQ while the copy engine still reads step i's; _det keeps the atomics,
-//     in turns;
+//   - dQ_i (not _det): the consumers store it into one of two shared buffers in the
+//     order they hold it (common.cuh's dq_tiled_at: 16-byte stores, a warp's 512 bytes
+//     contiguous, no bank conflicts), and a third producer warp has the copy engine add
+//     the buffer to dQacc's block of the step, summed in L2, with one bulk reduce-add
+//     (cp.reduce.async.bulk: dQacc lies in those blocks, which flash2_bwd_postprocess
+//     reads back in rows), where flash2_bwd_wg's warps issue 16 two-float atomics per
+//     thread per step. With two buffers the consumers store step i + 1's dQ while the
+//     copy engine still reads step i's; _det keeps the atomics, in turns, into dQacc in
+//     rows;
 //   - setmaxnreg: the producer keeps PRODUCER_REGS registers, the two consumer
 //     warpgroups take the rest, 240 (the step at D = 128 fits them; at 64 it spills);
 //   - no CTA barrier in the loop: the consumers meet only at the step's dSᵀ barrier
@@ -323,7 +340,7 @@ constexpr int CONSUMER_REGS = ((65536 / THREADS & ~7) * 3 - PRODUCER_REGS) / 2 &
 template <typename T, int D, bool DET, bool VAR>
 __device__ __forceinline__ void
 bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* tmV,
-       const wg::TensorMap* tmdO, const wg::TensorMap* tmdQ, const int* __restrict__ crd,
+       const wg::TensorMap* tmdO, const int* __restrict__ crd,
        const long long* __restrict__ at,
        const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc,
        T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv,
@@ -343,8 +360,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     const unsigned sQ = sV + TILE_KV;                // STAGES slots of BrB·D
     const unsigned sdO = sQ + STAGES * TILE_Q;       // STAGES slots of BrB·D
     const unsigned sdS = sdO + STAGES * TILE_Q;      // 2 × dSᵀ: Bc keys × BrB queries
-    // dQ_i (not DET), double-buffered: BrB rows of D fp32 in wgmma.cuh's SdQ layout (blocks
-    // of 32 columns, the 128-byte swizzle), what the copy engine reads through tmdQ
+    // dQ_i (not DET), double-buffered: BrB rows of D fp32 in dQacc's tiled order (common.cuh's
+    // dq_tiled_at), what the copy engine adds to dQacc's block of the step
     constexpr unsigned TILE_dQ = DET ? 0 : BrB * D * 4;
     const unsigned sdQ = sdS + 2 * TILE_dS;          // 2 × TILE_dQ
     float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + 2 * TILE_dQ - smem_addr(smem_raw)));   // STAGES × BrB
@@ -422,17 +439,17 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
                 mbar_arrive(full(s));                // release: the stores above come first
             }
         } else if (warp == 2 && !DET) {
-            // dQacc_i += dQ_i: the copy engine adds the step's shared dQ_i in L2, a box of
-            // 32 columns × BrB rows at a time through tmdQ ((d, Nq, problems) of dQacc:
-            // rows past Nq and columns past d fall outside it and are left out), once both
-            // warpgroups stored theirs; the consumers store the next step's into the other
-            // buffer meanwhile
+            // dQacc_i += dQ_i: the copy engine adds the step's shared dQ_i in L2, one bulk
+            // reduce-add of the block (dQacc in blocks of BrB × D per problem and step,
+            // common.cuh's dq_tiled_at: rows past Nq and columns past d add zeros to the
+            // block's padding), once both warpgroups stored theirs; the consumers store the
+            // next step's into the other buffer meanwhile
             if (lane == 0) {
+                const int Tr = (nq + BrB - 1) / BrB;
                 for (int i = ilo; i <= ihi; ++i) {
                     const int n = i - ilo, b = n & 1;
                     mbar_wait(dQfull(b), (n >> 1) & 1);
-                    for (int cb = 0; cb * 32 < d; ++cb)
-                        tma_reduce_add_3d(tmdQ, cb * 32, i * BrB, p, sdQ + b * TILE_dQ + cb * SdQ<BrB>::BLOCK);
+                    bulk_reduce_add_f32(dQacc + ((long long)p * Tr + i) * (BrB * D), sdQ + b * TILE_dQ, TILE_dQ);
                     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // the buffer is read
                     mbar_arrive(dQempty(b));
@@ -503,24 +520,24 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
 #define FLASHSIM_BWD_WS_PARAMS                                                                   \
     const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,       \
     const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmdO,      \
-    const __grid_constant__ wg::TensorMap tmdQ,                                                 \
     const int* __restrict__ crd, const long long* __restrict__ at, const float* __restrict__ L, \
     const float* __restrict__ Dv, float* __restrict__ dQacc, T* __restrict__ dK,               \
     T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv, int left, int right, \
     float scale, float k_in, float k_out, const float* __restrict__ slopes,                    \
     int* __restrict__ sem, unsigned long long* io
-#define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, &tmdQ, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, \
+#define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, \
     lddk, lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io
 
-// dQ by the copy engine's reduce-adds from shared memory, in no fixed order (sem is not
-// read; pass a null pointer)
+// dQ by the copy engine's reduce-adds from shared memory, in no fixed order, into dQacc in
+// blocks of 64 × 128 per problem and step (common.cuh's dq_tiled_at; sem is not read: pass
+// a null pointer)
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws(FLASHSIM_BWD_WS_PARAMS) {
     bwd_ws<T, D, false, VAR>(FLASHSIM_BWD_WS_ARGS);
 }
 
-// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step); tmdQ
-// is not read)
+// dQ in turns, the same bits on every run (sem: one zeroed int per (problem, step); dQacc
+// as (problems, Nq, d), as flash2_bwd_wg's)
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws_det(FLASHSIM_BWD_WS_PARAMS) {
     bwd_ws<T, D, true, VAR>(FLASHSIM_BWD_WS_ARGS);

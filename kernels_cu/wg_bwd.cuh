@@ -17,7 +17,7 @@
 //      warpgroup one 64 × 64 block of dQ_i (D = 128: its half of the columns; D = 64: its
 //      half of the queries; D = 32: its half of the queries, 64 × 32), added to the fp32 accumulator with two-float atomics (in
 //      turns where the caller's wait/pass order them), or stored to shared memory for
-//      the caller to add (flash2_bwd_ws: bulk reduce-adds).
+//      the caller to add (flash2_bwd_ws: a bulk reduce-add).
 
 #pragma once
 #include "wgmma.cuh"
@@ -58,10 +58,9 @@ template <int WG0> struct Thread {
 // read(): called once this warpgroup's products have read Q_i and dO_i (and L_i, D_i).
 // wait(i, rows) before the step's atomics into dQacc, pass(its Turn) after them: the
 // caller's order of the K/V tiles' additions (the deterministic mode), or none.
-// SDQ: dQ_i goes instead into shared memory at sdQ (fp32, wgmma.cuh's SdQ layout: blocks
-// of 32 columns, rows of 128 bytes in the 128-byte swizzle, as the copy engine reads it
-// through a tensor map), for the caller to add to dQacc; wait and pass then bracket those
-// stores.
+// SDQ: dQ_i goes instead into shared memory at sdQ (fp32, common.cuh's dq_tiled_at order,
+// as the copy engine adds it to dQacc in one bulk reduce-add), for the caller to add; wait
+// and pass then bracket those stores.
 struct Turn { int* counter; int mine; };
 
 // step_wide's products of one part (HP columns, from column block b0) of dV_j, dK_j, dQ_i:
@@ -267,13 +266,12 @@ __device__ __forceinline__ void step_dq(const Thread<WG0>& th, const Tile& c, lo
 #pragma unroll
     for (int t = 0; t < DB::QN / 8; ++t) {
         const int col = nblk * DB::QN + t * 8 + tig * 2;
-        if constexpr (SDQ) {                         // every row: the copy engine adds those of the tensor
-            // columns 32 apart lie a block apart, and rows r0 and r1 = r0 + 8 share their
-            // swizzle: four addresses serve the thread's 2·QN/8 stores
-            static_assert(DB::QN % 32 == 0, "whole 32-column blocks");
-            const unsigned a = sdQ + SdQ<BrB>::at(r0, nblk * DB::QN + (t & 3) * 8 + tig * 2) + (t >> 2) * SdQ<BrB>::BLOCK;
-            st_shared_f2(a, scale * dq[4 * t], scale * dq[4 * t + 1]);
-            st_shared_f2(a + 8 * 128, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
+        if constexpr (SDQ) {                         // every row and column, in the block's order
+            // (common.cuh's dq_tiled_at): registers 4t … 4t + 3 are float4 t of the thread,
+            // the warp's 32 lanes 512 contiguous bytes
+            static_assert(D == DQ_COLS && BrB == DQ_ROWS, "the tiled dQ block is 64 × 128");
+            st_shared_f4(sdQ + (t * 256 + th.grp * 128 + th.warp * 32 + th.lane) * 16, scale * dq[4 * t],
+                         scale * dq[4 * t + 1], scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         } else {
             if (col >= d) break;                     // the instance's columns past d
             if (r0 < rows) add2(dQacc + (q_row + r0) * d + col, scale * dq[4 * t], scale * dq[4 * t + 1]);

@@ -428,25 +428,16 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, 
                  :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
                  : "memory");
 }
-// A box of a tensor map's fp32 tensor += the box at src in shared memory (its layout the
-// map's swizzle), added in L2 by the copy engine; the tensor's bounds clip the box
-__device__ __forceinline__ void tma_reduce_add_3d(const TensorMap* map, int c0, int c1, int c2, unsigned src) {
-    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
-                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(src)
-                 : "memory");
+// bytes (a multiple of 16) of fp32 at dst in global memory += those at src in shared
+// memory (both 16-byte aligned), added in L2 by the copy engine (a bulk reduce-add, no
+// tensor map: flash2_bwd_ws's dQ blocks, common.cuh's dq_tiled_at)
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
-// An fp32 tile of ROWS rows as the copy engine reads it for tma_reduce_add_3d: blocks of
-// 32 columns (a box), each ROWS rows of 128 bytes, 16-byte chunk c of row r at c ^ (r & 7)
-// (the 128-byte swizzle). A warp's 8-byte stores of an mma accumulator (8 rows, 8
-// columns each) then fill every bank twice, the fewest for 256 bytes, with no padding.
-template <int ROWS> struct SdQ {
-    static constexpr int BLOCK = ROWS * 128;     // bytes per block of 32 columns
-    static __device__ __forceinline__ unsigned at(int r, int col) {
-        return (col >> 5) * BLOCK + r * 128 + ((((col & 31) >> 2) ^ (r & 7)) << 4) + ((col & 3) << 2);
-    }
-};
-__device__ __forceinline__ void st_shared_f2(unsigned addr, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
+__device__ __forceinline__ void st_shared_f4(unsigned addr, float x, float y, float z, float w) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "f"(x), "f"(y), "f"(z), "f"(w)
+                 : "memory");
 }
 // hand registers between warpgroups (every warp of a warpgroup executes the same one):
 // the producer keeps few, the consumers take what it gave up

@@ -493,3 +493,91 @@ def test_tensor_core_rung_runs_head_dims_below_its_instances(d, dv, causal, Nq, 
         G.check_forward(q, k, v, "float16", causal, None, kernel="tc")
         G.check_backward(q, k, v, "float16", causal, None, kernel="tc")
         G.check_backward(q, k, v, "float16", causal, None, kernel="tc", deterministic=True)
+
+
+def _tiled_index(P, Nq, d):
+    """Where flash2_bwd_ws's threads put dQ_i's values in dQacc (the kernel's stores, not
+    common.cuh's dq_tiled_at): thread u = 128·h + 32·warp + 4·g + tig of the two consumer
+    warpgroups holds, in registers 4k + e of its m64n64 accumulator, row 16·warp + g + 8·(e
+    ≥ 2) and column 64·h + 8k + 2·tig + (e & 1) of the step's 64 × 128 block, and stores
+    float4 k at float (k·256 + u)·4 of the block. (problem, row, column) and the flat
+    index of each value in dQacc, for the rows below Nq and columns below d."""
+    Tr = -(-Nq // fs.kernels.DQ_ROWS)
+    h, k, w, g, tig, e = np.indices((2, 8, 4, 8, 4, 4)).reshape(6, -1)
+    u = 128 * h + 32 * w + 4 * g + tig
+    r, c = 16 * w + g + 8 * (e >> 1), 64 * h + 8 * k + 2 * tig + (e & 1)
+    at = (k * 256 + u) * 4 + e
+    p, i = np.indices((P, Tr)).reshape(2, -1, 1)
+    rows, cols = 64 * i + r, np.broadcast_to(c, (p.size, c.size))
+    flat = (p * Tr + i) * fs.kernels.DQ_ROWS * fs.kernels.DQ_COLS + at
+    keep = (rows < Nq) & (cols < d)
+    return np.broadcast_to(p, rows.shape)[keep], rows[keep], cols[keep], flat[keep]
+
+
+@pytest.mark.parametrize("Nq,d", [(150, 72), (64, 128), (1, 8)])
+def test_the_tiled_dq_accumulator_is_zeroed_and_read_back_in_rows(Nq, d):
+    """flash2_bwd_ws's dQacc lies in blocks of 64 × 128 fp32 per problem and step of 64
+    rows, in the order its threads hold dQ_i: the pre-pass zeroes every float of every
+    block (tiled = 1), and the post-pass reads row r, column c of dQ back from where the
+    kernel's stores put it (dq_tiled_at against _tiled_index's mirror of those stores),
+    rows past Nq and columns past d untouched."""
+    from flashsim.gpu import _arrays as A, _device as dev
+    cp, K = dev.cupy(), fs.kernels
+    P, Tr = 3, -(-Nq // K.DQ_ROWS)
+    rng = np.random.default_rng(Nq + d)
+    at = np.zeros(P * A.AT_NUM, np.int64)
+    at[A.AT_dQ::A.AT_NUM] = np.arange(P) * Nq * d          # dQ dense (P, Nq, d)
+    at[A.AT_O::A.AT_NUM] = at[A.AT_dO::A.AT_NUM] = np.arange(P) * Nq * d
+    io = dev.counters(cp, False)
+    acc = np.full((P, Tr, K.DQ_ROWS * K.DQ_COLS), np.nan, np.float32)
+    o = rng.standard_normal((P, Nq, d)).astype(np.float16)
+    Dr = np.zeros((P, Nq), np.float32)
+    name, Dp = "flash2_bwd_preprocess_tc", K.pre_instance(d, d)
+    dev.launch(cp, dev.kernel(name, "float16", False, Dp), K.grid(name, Nq, Nq, 64, 64, P), 0,
+               (o, o, at, Dr, acc, np.int32(Nq), np.int32(d), np.int32(d), np.int32(d),
+                np.int32(d), np.int32(1), io), threads=K.threads(name, Dp, 90))
+    assert not acc.any() and not np.isnan(acc).any()
+    np.testing.assert_allclose(Dr, (o.astype(np.float32) ** 2).sum(-1), rtol=1e-3)
+    dq = rng.standard_normal((P, Nq, d)).astype(np.float16)    # exact in fp32 and back
+    acc[...] = np.nan
+    p, r, c, flat = _tiled_index(P, Nq, d)
+    assert len(np.unique(flat)) == len(flat) == P * Nq * d
+    acc.reshape(-1)[flat] = dq[p, r, c]
+    out = np.full((P, Nq, d), np.nan, np.float16)
+    name = "flash2_bwd_postprocess"
+    dev.launch(cp, dev.kernel(name, "float16", False), K.grid(name, Nq, Nq, 64, 64, P), 0,
+               (acc, out, at, np.int32(Nq), np.int32(d), np.int32(d), np.int32(64),
+                np.int32(1), io), threads=K.threads(name, d, 90))
+    assert np.array_equal(out, dq)
+
+
+class _TensorStandIn:
+    """What flashsim.gpu reads of a PyTorch tensor on a GPU (its type's module, detach,
+    cpu, numpy), without PyTorch."""
+    __module__ = "torch"
+
+    def __init__(self, values):
+        self.values, self.dtype = np.asarray(values, np.float32), "torch.float32"
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return _TensorStandIn(self.values)
+
+    def numpy(self):
+        return self.values
+
+
+def test_alibi_slopes_held_by_a_framework_are_read_back_before_any_launch():
+    """A model's ALiBi slopes are often a tensor on the GPU: fs.gpu.attention reads their
+    values (as it reads cu_seqlens) and gives the result of the same slopes in NumPy; the
+    wrong count still gets the simulator's ValueError."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 3, 40, 16)).astype(np.float16) for _ in range(3))
+    s = [0.5, 0.25, 0.125]
+    out, lse = fs.gpu.attention(q, k, v, alibi_slopes=_TensorStandIn(s))
+    ref, ref_lse = fs.gpu.attention(q, k, v, alibi_slopes=np.array(s))
+    assert np.array_equal(out, ref) and np.array_equal(lse, ref_lse)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        fs.gpu.attention(q, k, v, alibi_slopes=_TensorStandIn(s[:2]))

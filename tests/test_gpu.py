@@ -743,9 +743,9 @@ def test_the_tma_forward_below_its_instance(monkeypatch, d, dv):
 def test_the_tma_backward_below_its_instance(monkeypatch, d, dv, det):
     """flash2_bwd_ws (D = 128) runs head dims below D, its maps d (V and dO: dv) columns
     wide: gradients by FlashAttention's 3× rule against the simulator, the counted bytes
-    the simulator's for the tiles block_sizes reports, dQ added from d columns of each
-    row (the copy engine's tensor reduce-adds, clipped by dQacc's map) or in turns
-    (deterministic), in every layout check_backward draws."""
+    the simulator's for the tiles block_sizes reports, dQ added as whole 64 × 128 blocks
+    (the copy engine's bulk reduce-adds; the post-pass reads the rows below Nq and the
+    columns below d) or in turns (deterministic), in every layout check_backward draws."""
     from flashsim.gpu import flash2
     calls = []
     real = flash2._TmaLaunch.__call__

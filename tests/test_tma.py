@@ -6,6 +6,7 @@ name."""
 import numpy as np
 import pytest
 
+import flashsim as fs
 from flashsim.gpu import _arrays as A, _tma
 from flashsim.problem import Shape
 
@@ -141,11 +142,16 @@ def test_the_backward_maps_dO_beside_Q_K_V():
     assert ld[A.AT_dO] == H * d != ld[A.AT_Q]
 
 
-def test_the_backward_adds_dQ_through_a_map_where_its_rows_allow():
-    """flash2_bwd_ws adds dQ into dQacc, (problems, Nq, d) fp32, through a tensor map,
-    whose row stride must be a multiple of 16 bytes: d a multiple of 4 (72, 96, 120, 128
-    have one; 102 and 126 do not, and run flash2_bwd_wg instead). Its boxes are 32
-    columns: 128 bytes, the width of the 128-byte swizzle the kernel stores them in."""
-    assert all(_tma.accumulator_fits(d) for d in (72, 96, 120, 128))
-    assert not any(_tma.accumulator_fits(d) for d in (102, 126))
-    assert _tma.ACC_COLS * 4 == 128
+def test_the_backward_adds_dQ_in_blocks_the_header_and_python_agree_on():
+    """flash2_bwd_ws adds dQ into dQacc as whole blocks of DQ_ROWS × DQ_COLS fp32 per
+    problem and step (one bulk reduce-add each, no tensor map, any d): the launcher sizes
+    dQacc and the post-pass reads it with the header's constants, and a block is one
+    step of the backward's tiles at its instance."""
+    import re
+    from flashsim.gpu.flash2 import _dq_tiled_shape
+    text = (fs.kernels.kernel_dir() / "common.cuh").read_text()
+    got = re.search(r"constexpr int DQ_ROWS = (\d+), DQ_COLS = (\d+)", text)
+    assert (int(got[1]), int(got[2])) == (fs.kernels.DQ_ROWS, fs.kernels.DQ_COLS)
+    assert fs.kernels.WS_BWD_HEAD_DIMS == (fs.kernels.DQ_COLS,)
+    assert fs.kernels.wg_blocks(fs.kernels.DQ_COLS, True)[0] == fs.kernels.DQ_ROWS
+    assert _dq_tiled_shape(3, 129) == (3, 3, 64 * 128)

@@ -16,6 +16,18 @@ from .. import kernels as K
 from ..problem import canon_batch, resolve_batch, Shape
 from . import _device as dev
 
+
+def host_values(x):
+    """A small array's values on the host, for checks and tables made before any launch
+    (cu_seqlens, cache lengths, block tables, ALiBi slopes): NumPy and lists as they are,
+    CuPy arrays and PyTorch tensors (on a GPU or not) copied to NumPy."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x = x.detach().cpu()
+        return (x.float() if str(x.dtype) == "torch.bfloat16" else x).numpy()
+    if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        return dev.cupy().asnumpy(x)
+    return x
+
 # -- inputs and outputs -----------------------------------------------------------------
 
 class In:

@@ -33,9 +33,6 @@ from . import _arrays as arrays, _device as dev
 # zero fill is +0.0 in both); CU_TENSOR_MAP_SWIZZLE_64B and _128B;
 # CU_TENSOR_MAP_L2_PROMOTION_L2_128B
 _UINT16, _SWIZZLE_64B, _SWIZZLE_128B, _L2_128B = 1, 2, 3, 2
-_FLOAT32 = 7
-# the fp32 accumulator's boxes: 32 columns, 128 bytes, the 128-byte swizzle's width
-ACC_COLS = 32
 
 
 def box_cols(D: int) -> int:
@@ -131,25 +128,6 @@ def _encode_3d(ptr: int, dtype: int, dims, strides, box, swizzle: int) -> bytes 
     if rc != 0:
         return None
     return ctypes.string_at(addr, 128)
-
-
-def accumulator_fits(d: int) -> bool:
-    """Whether an fp32 accumulator of rows d wide (flash2_bwd_ws's dQacc) has a tensor map:
-    its row stride a multiple of 16 bytes."""
-    return d % 4 == 0
-
-
-@functools.lru_cache(maxsize=1024)
-def accumulator_map(ptr: int, d: int, N: int, Z: int, box_rows: int) -> bytes | None:
-    """The 128-byte CUtensorMap of a contiguous fp32 (Z, N, d) tensor at ``ptr`` (the
-    backward's dQacc), boxes of ACC_COLS columns × box_rows rows in the 128-byte swizzle
-    (wgmma.cuh's SdQ layout), through which flash2_bwd_ws's copy engine adds its dQ_i
-    tiles; rows past N and columns past d lie outside it and are not written. None where
-    the driver refuses it."""
-    if not accumulator_fits(d):
-        return None
-    return _encode_3d(ptr, _FLOAT32, (d, N, Z), (d * 4, N * d * 4), (ACC_COLS, box_rows),
-                      _SWIZZLE_128B)
 
 
 def maps(ptrs, geoms, rows: tuple, D: int):

@@ -44,11 +44,7 @@ class KVCachePlan:
 
 def _host_ints(x, name: str) -> np.ndarray:
     """An integer array's values on the host (checked before any launch)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        x = x.detach().cpu().numpy()
-    elif hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
-        x = dev.cupy().asnumpy(x)
-    a = np.asarray(x)
+    a = np.asarray(arrays.host_values(x))
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers (int32), got dtype {a.dtype}")
     return a

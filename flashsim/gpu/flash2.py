@@ -134,7 +134,9 @@ def _variant_args(cp, shape: Shape, dtype: str, causal, window, softcap, alibi_s
     the name of the variant asked for (None for plain attention)."""
     band = make_band(causal, window)
     c = check_softcap(softcap)
-    slopes = canonical_slopes(alibi_slopes, shape)
+    # slopes may be on the GPU (a model's buffer): their values are read here, once
+    slopes = canonical_slopes(None if alibi_slopes is None else arrays.host_values(alibi_slopes),
+                              shape)
     left = -1 if band.left is None else band.left
     right = -1 if band.right is None else band.right
     ptr = np.uint64(0)
@@ -412,7 +414,6 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     P, Nq, Nk, d, dv = shape.problems, shape.Nq, shape.Nk, shape.d, shape.dv
     st = A.storage(cp, dtype)
     Dr = A.empty(cp, (P, Nq), cp.float32)   # D_i = rowsum(dO_i ∘ O_i)
-    dQacc = A.empty(cp, (P, Nq, d), cp.float32)
     # the gradients go straight into outputs laid out like q, k, v, unless a GQA group or
     # a broadcast axis must be summed first: then into per-problem scratch (reduce)
     tq = dtype if qi.torch else None
@@ -431,6 +432,14 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
     # one turn counter per (problem, Q tile of Br rows); a null pointer: unordered atomics
     sem = cp.zeros(P * Tr, dtype=cp.int32) if deterministic else np.uint64(0)
     cc = dev.cc(cp.cuda.Device().id)
+    ws = None if which != "wg" else _ws_backward(
+        cp, shape, dtype, count_io, softcap is not None or alibi_slopes is not None,
+        deterministic,
+        {A.AT_Q: (qi.arr, "q"), A.AT_K: (ki.arr, "k"), A.AT_V: (vi.arr, "k"),
+         A.AT_dO: (doi.arr, "q")}, ld)
+    # the fp32 dQ accumulator: in rows, or in the copy-engine backward's blocks (tiled)
+    tiled = ws is not None and not deterministic
+    dQacc = A.empty(cp, _dq_tiled_shape(P, Nq) if tiled else (P, Nq, d), cp.float32)
     lds = tuple(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK, A.AT_dV))
     main = (qi.arr, ki.arr, vi.arr, at, doi.arr, L, Dr, dQacc, dK, dV, i32(Nq), i32(Nk))
 
@@ -442,17 +451,12 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
         Dp = K.pre_instance(d, dv)
         dev.launch(cp, dev.kernel(name, dtype, count_io, Dp), grid(name), 0,
                    (oi.arr, doi.arr, at, Dr, dQacc, i32(Nq), ld[A.AT_O], ld[A.AT_dO], i32(d),
-                    i32(dv), io), threads=K.threads(name, Dp, cc))
+                    i32(dv), i32(tiled), io), threads=K.threads(name, Dp, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
         k_in, k_out, sl = _fast_variants(cp, scale, softcap, slopes)
-        ws = None if which != "wg" else _ws_backward(
-            cp, shape, dtype, count_io, softcap is not None or alibi_slopes is not None,
-            deterministic,
-            {A.AT_Q: (qi.arr, "q"), A.AT_K: (ki.arr, "k"), A.AT_V: (vi.arr, "k"),
-             A.AT_dO: (doi.arr, "q")}, ld)
         if ws is not None:       # the Hopper backward fed by the copy engine
             ws(cp.cuda.get_current_stream().ptr,
-               tuple(dev.pointer(x) for x in (qi.arr, ki.arr, vi.arr, doi.arr, dQacc)),
+               tuple(dev.pointer(x) for x in (qi.arr, ki.arr, vi.arr, doi.arr)),
                ws.crd.data.ptr, at.data.ptr, L.data.ptr, Dr.data.ptr, dQacc.data.ptr,
                dev.pointer(dK), dev.pointer(dV), Nq, Nk, int(ld[A.AT_dK]), int(ld[A.AT_dV]),
                d, dv, left, right, scale, float(k_in), float(k_out),
@@ -475,7 +479,7 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
                           dev.scalar(dtype, scale), cap, slopes, sem, np.uint64(0), io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", dtype, count_io),
                grid("flash2_bwd_postprocess"), 0,
-               (dQacc, dQ, at, i32(Nq), ld[A.AT_dQ], i32(d), i32(Br), io))
+               (dQacc, dQ, at, i32(Nq), ld[A.AT_dQ], i32(d), i32(Br), i32(tiled), io))
     dq = dQ if q_direct else A.laid_out(cp, A.reduce(cp, dQ, shape, qi.shape, Nq, d, dtype), qi)
     dk = dK if k_direct else A.laid_out(cp, A.reduce(cp, dK, shape, ki.shape, Nk, d, dtype), ki)
     dv_ = dV if k_direct else A.laid_out(cp, A.reduce(cp, dV, shape, vi.shape, Nk, dv, dtype), vi)
@@ -541,6 +545,14 @@ class _Launcher:
                     stream, 0, self.extra_ptr)
 
 
+def _dq_tiled_shape(P: int, Nq: int) -> tuple[int, int, int]:
+    """The shape of flash2_bwd_ws's fp32 dQ accumulator: per problem, a block of
+    DQ_ROWS × DQ_COLS floats per step of DQ_ROWS query rows, in the order the kernel's
+    threads hold dQ_i (kernels_cu/common.cuh's dq_tiled_at), which the post-pass reads
+    back in rows."""
+    return (P, -(-Nq // K.DQ_ROWS), K.DQ_ROWS * K.DQ_COLS)
+
+
 class _TmaLaunch:
     """A kernel whose leading parameters are tensor maps (flash2_ws.cu's
     __grid_constant__ CUtensorMap), for one set of shapes and strides: the maps are
@@ -554,11 +566,8 @@ class _TmaLaunch:
     _CTYPES = {"Q": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
 
     def __init__(self, kernel, name: str, grid, threads: int, smem: int, geoms, rows, D: int,
-                 types: str, crd=None, acc=None):
-        # acc: the geometry (d, N, Z, box rows) of an fp32 accumulator (flash2_bwd_ws's
-        # dQacc) whose map follows the others, for the last of the call's addresses
+                 types: str, crd=None):
         self.fptr = kernel.kernel.ptr
-        self.acc = acc
         self.crd = crd           # the maps' coordinates per problem (_tma.plan), on the device
         if smem > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = smem
@@ -567,7 +576,7 @@ class _TmaLaunch:
         self.ptrs = None         # the addresses the maps in self.maps were encoded for
         self.launch = dev.cupy().cuda.driver.launchKernel
         # one C object per parameter, rewritten in place per call
-        self.maps = [ctypes.create_string_buffer(128) for _ in range(len(geoms) + bool(acc))]
+        self.maps = [ctypes.create_string_buffer(128) for _ in range(len(geoms))]
         self.args = [self._CTYPES[t]() for t in types]
         objs = self.maps + self.args
         self.params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(x) for x in objs])
@@ -585,9 +594,6 @@ class _TmaLaunch:
         if tensors != self.ptrs:    # the same addresses (a training loop's): the same maps
             dev.check_grid(self.grid)
             maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
-            if self.acc is not None and maps is not None:
-                acc = _tma.accumulator_map(int(tensors[-1]), *self.acc)
-                maps = None if acc is None else maps + (acc,)
             if maps is None:
                 raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
                                    f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
@@ -628,7 +634,7 @@ class _WsBackwardMain:
         self.ws = ws
 
     def __call__(self, stream: int, q, k, v, at, dout, lse, D, dQacc, dk, dv):
-        self.ws(stream, (q, k, v, dout, dQacc), self.ws.crd.data.ptr, at, lse, D, dQacc, dk, dv)
+        self.ws(stream, (q, k, v, dout), self.ws.crd.data.ptr, at, lse, D, dQacc, dk, dv)
 
 
 def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: bool,
@@ -636,13 +642,14 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
     """The launcher of flash2_bwd_ws (the wg backward's main loop fed by TMA) for these
     arrays (``cols``: Q, K, V, dO), or None where it does not apply (kernels.ws_runs;
     layouts TMA cannot address; FLASHSIM_TMA=0): flash2_bwd_wg then runs, with the same
-    tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO, tmdQ | crd, at, L, D, dQacc,
-    dK, dV | Nq, Nk, lddk, lddv, d, dv, left, right | scale, k_in, k_out | slopes, sem,
-    io. Head dims below D run its plain instance (``var``: softcap or ALiBi only): the
-    copy engine zero-fills the columns past d and dv."""
+    tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO | crd, at, L, D, dQacc, dK,
+    dV | Nq, Nk, lddk, lddv, d, dv, left, right | scale, k_in, k_out | slopes, sem, io.
+    dQacc is tiled (_dq_tiled_shape) for flash2_bwd_ws, in rows for _det. Head dims below
+    D run its plain instance (``var``: softcap or ALiBi only): the copy engine zero-fills
+    the columns past d and dv."""
     d, dv = shape.d, shape.dv
     D = _instance(shape, "wg", backward=True)
-    if not (K.ws_runs(d, dv, D, backward=True, variant=var) and _tma.accumulator_fits(d)
+    if not (K.ws_runs(d, dv, D, backward=True, variant=var)
             and os.environ.get("FLASHSIM_TMA", "1") != "0"):
         return None
     four = {t: cols[t] for t in _tma.BACKWARD}
@@ -664,7 +671,7 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
                       K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
                       K.threads(name, D, dev.cc(cp.cuda.Device().id)),
                       K.smem_bytes(name, Br, Bc, D, D, dtype), geoms, box, D,
-                      "QQQQQQQiiiiiiiifffQQQ", crd, (d, shape.Nq, shape.problems, Br))
+                      "QQQQQQQiiiiiiiifffQQQ", crd)
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
@@ -875,10 +882,11 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
     plan, bwd = got
     B, H, Nq, d = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    D, dQacc = torch.empty((B * H, Nq), **f32), torch.empty((B * H, Nq, d), **f32)
+    at, pre, main, post, tiled = bwd
+    D = torch.empty((B * H, Nq), **f32)
+    dQacc = torch.empty(_dq_tiled_shape(B * H, Nq) if tiled else (B * H, Nq, d), **f32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     index = q.device.index
-    at, pre, main, post = bwd
     with plan.cp.cuda.Device(index):
         stream = torch._C._cuda_getCurrentRawStream(index)
         pre(stream, out.data_ptr(), dout.data_ptr(), at.data.ptr, D.data_ptr(), dQacc.data_ptr())
@@ -889,10 +897,11 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
 
 
 def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
-    """The backward's row table and three launchers (pre-pass, main loop, post-pass) for
-    a forward plan's shapes and these out, dout strides, or False where its tiles do not
-    fit the device's shared memory or the kernels cannot read a layout. The main loop is
-    the Hopper one where the device runs it (unless ``kernel`` is "tc")."""
+    """The backward's row table, three launchers (pre-pass, main loop, post-pass) and
+    whether its dQ accumulator is tiled (flash2_bwd_ws's blocks) for a forward plan's
+    shapes and these out, dout strides, or False where its tiles do not fit the device's
+    shared memory or the kernels cannot read a layout. The main loop is the Hopper one
+    where the device runs it (unless ``kernel`` is "tc")."""
     import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
@@ -920,11 +929,6 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
             A.AT_dK: (views[6], "k"), A.AT_dV: (views[7], "k")})
         ld = [int(x) for x in ld]
         cc = dev.cc(q.device.index)
-        # (O, dO, at, D, dQacc | Nq, ldo, lddo, d, dv, io)
-        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, Dp), "5Q5i4xQ",
-                        K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
-                        K.threads("flash2_bwd_preprocess_tc", Dp, cc), 0,
-                        (Nq, ld[A.AT_O], ld[A.AT_dO], d, d, plan.io))
         # (Q, K, V, at, dO, L, D, dQacc, dK, dV | Nq, Nk, ldq, ldk, ldv, lddo, lddk, lddv,
         #  d, dv, left, right, scale, k_in, k_out, slopes, sem, vl, io)
         # (below D the VAR instance: k_in = scale·log2e, no softcap, no slopes)
@@ -942,9 +946,15 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
                 ws.set((Nq, Nk, ld[A.AT_dK], ld[A.AT_dV], d, d, plan.left, plan.right,
                         plan.scale, 0.0, 0.0, 0, 0, plan.io), 7)
                 main = _WsBackwardMain(ws)
-        # (dQacc, dQ, at | Nq, lddq, d, Br, io)
-        post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q4iQ",
+        # (O, dO, at, D, dQacc | Nq, ldo, lddo, d, dv, tiled, io)
+        tiled = isinstance(main, _WsBackwardMain)
+        pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, Dp), "5Q6iQ",
+                        K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
+                        K.threads("flash2_bwd_preprocess_tc", Dp, cc), 0,
+                        (Nq, ld[A.AT_O], ld[A.AT_dO], d, d, int(tiled), plan.io))
+        # (dQacc, dQ, at | Nq, lddq, d, Br, tiled, io)
+        post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q5i4xQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),
                          K.threads("flash2_bwd_postprocess", d, cc), 0,
-                         (Nq, ld[A.AT_dQ], d, Br, plan.io))
-    return at, pre, main, post
+                         (Nq, ld[A.AT_dQ], d, Br, int(tiled), plan.io))
+    return at, pre, main, post, tiled

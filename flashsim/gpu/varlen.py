@@ -38,12 +38,7 @@ from .flash2 import LOG2E, _asked, _blocks, _choose, _fast_variants, _instance, 
 def _host_ints(name: str, x) -> np.ndarray:
     """cu_seqlens as host integers, from NumPy, a list, CuPy or PyTorch (one small copy:
     the grid is sized from them before any launch, as flash_attn's is from max_seqlen)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        x = x.detach().cpu().numpy()
-    elif hasattr(x, "__cuda_array_interface__"):
-        x = dev.cupy().asnumpy(x)
-    a = np.asarray(x)
-    return check_cu_seqlens(name, a)
+    return check_cu_seqlens(name, np.asarray(arrays.host_values(x)))
 
 
 def _check_max(name: str, given, lengths: np.ndarray) -> None:
@@ -93,7 +88,8 @@ class _Batch:
         _check_max("max_seqlen_k", max_seqlen_k, np.diff(self.cu_k))
         band = make_band(causal, window)
         cap = check_softcap(softcap)
-        slopes = _slopes_per_sequence(alibi_slopes, self.B, Hq)
+        host = None if alibi_slopes is None else arrays.host_values(alibi_slopes)
+        slopes = _slopes_per_sequence(host, self.B, Hq)
         self.kernel, self.softcap = kernel, cap
         self.variant = _asked(window, softcap, alibi_slopes)
         self.dtype, self.torch = qi.dtype, qi.torch
@@ -294,7 +290,7 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         name = "flash2_bwd_preprocess_tc"
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dp),
                    K.grid(name, bt.Tq, bt.Tk, Br, Bc, bt.Hq), 0,
-                   (*pre, i32(bt.d), i32(bt.dv), io), threads=K.threads(name, Dp, cc))
+                   (*pre, i32(bt.d), i32(bt.dv), i32(0), io), threads=K.threads(name, Dp, cc))
         name = f"flash2_bwd_{which}" + ("_det" if deterministic else "")
         smem = K.smem_bytes(name, Br, Bc, Dh, Dh, bt.dtype)
         dev.launch(cp, dev.kernel(name, bt.dtype, count_io, Dh, True, True), (ctas, bt.Hq),
@@ -310,7 +306,7 @@ def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     i32(bt.right), dev.scalar(bt.dtype, bt.scale), bt.cap, bt.slopes, sem,
                     vl, io))
     dev.launch(cp, dev.kernel("flash2_bwd_postprocess", bt.dtype, count_io), rows, 0,
-               (dQacc, dQ, at, i32(bt.Tq), ld[A.AT_dQ], i32(bt.d), i32(Br), io))
+               (dQacc, dQ, at, i32(bt.Tq), ld[A.AT_dQ], i32(bt.d), i32(Br), i32(0), io))
     if g > 1:     # GQA: each K/V head's gradient sums its group's, in fp32, rounded once
         dk, dv = (A.laid_out(cp, heads_first(
                       A.from_f32(cp, A.to_f32(cp, x.reshape(bt.Hk, g, bt.Tk, w), bt.dtype)
