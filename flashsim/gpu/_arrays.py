@@ -28,6 +28,7 @@ def host_values(x):
         return dev.cupy().asnumpy(x)
     return x
 
+
 # -- inputs and outputs -----------------------------------------------------------------
 
 class In:
