@@ -250,10 +250,13 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
     read();
 }
 // dQ_i's block, its product done, added to dQacc (or stored to sdQ: SDQ), between the
-// caller's wait and pass (step's)
-template <typename T, int D, int WG0, bool SDQ, typename Wait, typename Pass>
+// caller's wait and pass (step's); then() runs between the last store and pass (flash2_bwd_ws
+// issues the next step's first product there)
+struct Nothing { __device__ __forceinline__ void operator()() const {} };
+template <typename T, int D, int WG0, bool SDQ, typename Wait, typename Pass, typename Then = Nothing>
 __device__ __forceinline__ void step_dq(const Thread<WG0>& th, const Tile& c, long long q_row0, int i, const float* dq, float scale,
-                                        float* __restrict__ dQacc, int d, Wait wait, Pass pass, unsigned sdQ) {
+                                        float* __restrict__ dQacc, int d, Wait wait, Pass pass, unsigned sdQ,
+                                        Then then = Then{}) {
     using namespace wg;
     constexpr int BrB = brb<D>();
     using DB = DqBlock<D>;
@@ -278,6 +281,7 @@ __device__ __forceinline__ void step_dq(const Thread<WG0>& th, const Tile& c, lo
             if (r1 < rows) add2(dQacc + (q_row + r1) * d + col, scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         }
     }
+    then();
     pass(turn);
 }
 // One step, its products issued, waited for and dQ_i added in turn
