@@ -188,14 +188,24 @@ WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
 # and dO_i in a ring of WS_STAGES slots, dQ added by the copy engine's bulk reduce-adds
-# from two shared buffers, at D ∈ WS_BWD_HEAD_DIMS, d, dv ≤ D (at 64 the step's ~253
-# registers do not fit the 240 a consumer gets beside a producer: it spills 212 bytes).
-# Its dQ accumulator (not _det's) lies in blocks of DQ_ROWS × DQ_COLS fp32 per problem and
-# step of DQ_ROWS rows, in the order its threads hold dQ_i (common.cuh's DQ_ROWS, DQ_COLS,
-# dq_tiled_at; tests/test_tma.py holds the two equal)
+# from WS_BWD_DQ_BUFFERS[D] shared buffers (one at 64, whose 128-row steps leave no room
+# for two), at D ∈ WS_BWD_HEAD_DIMS, d, dv ≤ D. Its dQ accumulator (not _det's) lies in
+# blocks of DQ_BLOCK fp32 per problem and step of dq_rows(D) rows (the instance's Br: 64 ×
+# 128 at D = 128, 128 × 64 at D = 64), in the order its threads hold dQ_i (common.cuh's
+# DQ_BLOCK, dq_rows, dq_tiled_at; tests/test_tma.py holds the two equal). The D = 64
+# instance builds without spills and gave flash2_bwd_wg's dK, dV bits on the shapes that
+# kernels_cu/NOTES.md v41 times (0.94-0.97x its time), but the GPU test suite has not run
+# it: it joins WS_BWD_HEAD_DIMS (which the build, the launchers and the tests read) once
+# that suite passes with it there.
 WS_BWD_HEAD_DIMS = (128,)
 WS_BWD_THREADS = 384
-DQ_ROWS, DQ_COLS = 64, 128
+WS_BWD_DQ_BUFFERS = {64: 1, 128: 2}
+DQ_BLOCK = 64 * 128
+
+
+def dq_rows(D: int) -> int:
+    """Query rows per block of flash2_bwd_ws's tiled dQ accumulator at instance D."""
+    return DQ_BLOCK // D
 
 
 def ws_threads(D: int) -> int:
@@ -417,7 +427,7 @@ REGISTERS = {
               "flash2_bwd_postprocess": 30,
               "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
                                 256: 254},
-              "flash2_bwd_preprocess_tc": 29,
+              "flash2_bwd_preprocess_tc": 30,
               "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},
               "flash2_bwd_tc_det": {32: 172, 64: 218, 96: 179, 128: 241, 160: 218, 192: 224,
                                     256: 245}, "kvcache_append": 34,
@@ -632,8 +642,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (2 * Bc * d + 4 * Br * d + Bc * Br) * 2 + 4 * Br * 4 + 1024 + wide
     if kernel in ("flash2_bwd_ws", "flash2_bwd_ws_det"):
         # the same with WS_STAGES slots of Q_i, dO_i, L_i, D_i and dSᵀ double-buffered; and
-        # (not deterministic) dQ_i in fp32, double-buffered
-        sdq = 2 * Br * d * 4 if kernel == "flash2_bwd_ws" else 0
+        # (not deterministic) dQ_i in fp32, in WS_BWD_DQ_BUFFERS[d] buffers (d: the instance)
+        sdq = WS_BWD_DQ_BUFFERS[d] * Br * d * 4 if kernel == "flash2_bwd_ws" else 0
         return ((2 * Bc * d + 2 * WS_STAGES * Br * d + 2 * Bc * Br) * 2 + sdq
                 + 2 * WS_STAGES * Br * 4 + 1024)
     if kernel == "flash1_fwd":      # K_j, V_j; Q_i, O_i; S; m, ℓ and O's two weights

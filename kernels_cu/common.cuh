@@ -87,21 +87,24 @@ enum AtColumn { AT_Q, AT_K, AT_V, AT_O, AT_dO, AT_dQ, AT_dK, AT_dV, AT_NUM };
 __device__ __forceinline__ long long at_row0(const long long* at, int p, int t) {
     return at[(long long)p * AT_NUM + t];
 }
-// flash2_bwd_ws's dQacc, and its shared dQ_i buffers: per query problem and step of
-// DQ_ROWS query rows, one block of DQ_ROWS × DQ_COLS fp32 in the order the consumer threads
-// hold dQ_i (wg_bwd.cuh's step_dq at D = 128: warpgroup h has columns 64·h … 64·h + 63 of
-// the step's 64 rows in the m64n64 accumulator layout), so that each thread stores its
-// values with 16-byte stores that no two lanes of a warp share a bank for, and the copy
-// engine adds a block with one bulk reduce-add, no tensor map: float4 k (columns 8k … 8k
-// + 7 of the warpgroup's 64) of thread u = 128·h + 32·warp + 4·g + tig holds rows 16·warp
-// + g and + 8, columns 8k + 2·tig and + 1, at float (k·256 + u)·4 + 2·(row ≥ 8) + (col & 1).
-// The block's rows past Nq and columns past d hold zeros (the products' operands are zero
-// there) that flash2_bwd_postprocess does not read.
-constexpr int DQ_ROWS = 64, DQ_COLS = 128, DQ_BLOCK = DQ_ROWS * DQ_COLS;
-__host__ __device__ inline int dq_tiled_at(int r, int c) {
-    const int h = c >> 6, k = (c & 63) >> 3, tig = (c & 7) >> 1;
-    const int warp = r >> 4, g = r & 7;
-    return (k * 256 + h * 128 + warp * 32 + g * 4 + tig) * 4 + ((r >> 3) & 1) * 2 + (c & 1);
+// flash2_bwd_ws's dQacc, and its shared dQ_i buffers: per query problem and step of the
+// instance's BrB query rows (dq_rows: 64 at D = 128, 128 at D = 64), one block of DQ_BLOCK
+// fp32 (BrB × D) in the order the consumer threads hold dQ_i (wg_bwd.cuh's step_dq: at D =
+// 128 warpgroup h has columns 64·h … 64·h + 63 of the step's 64 rows, at D = 64 rows 64·h
+// … 64·h + 63 of its 128, each in the m64n64 accumulator layout), so that each thread
+// stores its values with 16-byte stores that no two lanes of a warp share a bank for, and
+// the copy engine adds a block with one bulk reduce-add, no tensor map: float4 k (columns
+// 8k … 8k + 7 of the warpgroup's 64) of thread u = 128·h + 32·warp + 4·g + tig holds the
+// warpgroup's rows 16·warp + g and + 8, columns 8k + 2·tig and + 1, at float (k·256 + u)·4
+// + 2·(row ≥ 8) + (col & 1). The block's rows past Nq and columns past d hold zeros (the
+// products' operands are zero there) that flash2_bwd_postprocess does not read.
+constexpr int DQ_BLOCK = 64 * 128;
+__host__ __device__ inline int dq_rows(int D) { return DQ_BLOCK / D; }
+// where row r (< dq_rows(D)), column c (< D) of a block of instance D lies in it
+__host__ __device__ inline int dq_tiled_at(int r, int c, int D) {
+    const int h = D == 128 ? c >> 6 : r >> 6, rr = r & 63, k = (c & 63) >> 3, tig = (c & 7) >> 1;
+    const int warp = rr >> 4, g = rr & 7;
+    return (k * 256 + h * 128 + warp * 32 + g * 4 + tig) * 4 + ((rr >> 3) & 1) * 2 + (c & 1);
 }
 // The same, read where it is used: a volatile load, which the compiler neither hoists out
 // of a loop nor keeps in registers across one (the fast rungs' loops have none to spare)

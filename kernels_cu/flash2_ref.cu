@@ -262,11 +262,12 @@ __global__ void flash2_bwd_postprocess(const float* __restrict__ dQacc, T* __res
     const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
     const long long row = (long long)blockIdx.y * Nq + i0;        // of dQacc
     T* dQi = dQ + at_row0(at, blockIdx.y, AT_dQ) + (long long)i0 * lddq;
-    if (tiled) {             // flash2_bwd_ws's blocks (common.cuh's dq_tiled_at)
-        const long long blk0 = (long long)blockIdx.y * ((Nq + DQ_ROWS - 1) / DQ_ROWS);
+    if (tiled) {             // flash2_bwd_ws's blocks at instance D = tiled (common.cuh's dq_tiled_at)
+        const int R = dq_rows(tiled);
+        const long long blk0 = (long long)blockIdx.y * ((Nq + R - 1) / R);
         for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x) {
             const int r = i0 + (int)(x / d), c = (int)(x % d);
-            dQi[(x / d) * lddq + c] = from_acc<T>((A)dQacc[(blk0 + r / DQ_ROWS) * DQ_BLOCK + dq_tiled_at(r % DQ_ROWS, c)]);
+            dQi[(x / d) * lddq + c] = from_acc<T>((A)dQacc[(blk0 + r / R) * DQ_BLOCK + dq_tiled_at(r % R, c, tiled)]);
         }
     } else {
         for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x)

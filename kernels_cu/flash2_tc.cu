@@ -865,7 +865,7 @@ __global__ void __launch_bounds__(tcb::THREADS, 1) flash2_bwd_tc_det(FLASHSIM_BW
 
 // flash2_bwd_preprocess_tc<T, D>: the backward pre-pass of the tensor-core rung, the
 // reference's flash2_bwd_preprocess with 16-byte accesses: D_i = rowsum(dO_i ∘ O_i) in
-// fp32, and dQacc_i zeroed (in rows, or tiled: flash2_bwd_ws's blocks). D/8 lanes share a row, each reading 8 elements of O and dO
+// fp32, and dQacc_i zeroed (in rows, or tiled: flash2_bwd_ws's blocks of instance D = tiled). D/8 lanes share a row, each reading 8 elements of O and dO
 // at once (the reference reads one element per thread, rows d apart: uncoalesced).
 // Grid (⌈Nq/Br⌉, problems), 128 threads, Br = PRE_BR rows per CTA.
 namespace tcb {
@@ -898,12 +898,15 @@ flash2_bwd_preprocess_tc(const T* __restrict__ O, const T* __restrict__ dO,
         for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
         if (r < rows && c == 0) Dv[row + r] = acc;
     }
-    // dQacc in rows of d floats (d % 8 = 0), or (tiled, flash2_bwd_ws's) in blocks of
-    // DQ_ROWS = PRE_BR rows × DQ_COLS per problem and step, every float of the block
-    static_assert(tcb::PRE_BR == DQ_ROWS, "a CTA's rows are one block of the tiled dQacc");
-    float4* z = reinterpret_cast<float4*>(tiled ? dQacc + ((long long)blockIdx.y * gridDim.x + blockIdx.x) * DQ_BLOCK
-                                                : dQacc + row * d);
-    const int n4 = tiled ? DQ_BLOCK / 4 : rows * d / 4;
+    // dQacc in rows of d floats (d % 8 = 0), or (tiled = the instance D of flash2_bwd_ws) in
+    // its blocks of DQ_BLOCK floats per problem and step of dq_rows(D) rows, every float of
+    // every block: CTA x zeroes floats x·PRE_BR·D … of its problem's blocks, the last CTA
+    // up to their end (at D = 64 a block spans two CTAs' rows, and an odd count leaves the
+    // last block's second half to it)
+    const long long area = tiled ? (long long)((Nq + dq_rows(tiled) - 1) / dq_rows(tiled)) * DQ_BLOCK : 0;
+    const long long z0 = (long long)blockIdx.x * tcb::PRE_BR * tiled;
+    float4* z = reinterpret_cast<float4*>(tiled ? dQacc + blockIdx.y * area + z0 : dQacc + row * d);
+    const int n4 = tiled ? (int)((blockIdx.x + 1 == gridDim.x ? area - z0 : tcb::PRE_BR * tiled) / 4) : rows * d / 4;
     for (int x = threadIdx.x; x < n4; x += tcb::PRE_THREADS) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
     COUNT_IO(io, IO_O_R, (long long)rows * dv * sizeof(T));      // HBM→SRAM: O_i (Br·dv)
     COUNT_IO(io, IO_dO_R, (long long)rows * dv * sizeof(T));     // HBM→SRAM: dO_i (Br·dv)

@@ -34,7 +34,8 @@
 //                        packed varlen batch has no such bound per sequence and runs on
 //                        flash2_fwd_wg.
 //   flash2_bwd_ws<T, D, VAR>, flash2_bwd_ws_det<T, D, VAR>  the backward main loop,
-//                        D = 128 (d, dv ≤ D: the columns past them arrive zero-filled, as
+//                        D ∈ {64, 128}, built for kernels.py's WS_BWD_HEAD_DIMS (d, dv ≤
+//                        D: the columns past them arrive zero-filled, as
 //                        in the forward): flash2_bwd_wg's tiles and steps with a
 //                        producer warpgroup that loads by TMA and adds dQ through
 //                        the copy engine's reduce-adds (below; NOTES v23, v37, v39).
@@ -317,7 +318,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 //     products and its own loads of L_i, D_i have read it. Rows past Nq arrive
 //     zero-filled (the tensor map's bound), with L = +∞, so P and dS are 0 there as in
 //     flash2_bwd_wg;
-//   - dQ_i (not _det): the consumers store it into one of two shared buffers in the
+//   - dQ_i (not _det): the consumers store it into one of two shared buffers (one at
+//     D = 64: wsb::dq_buffers) in the
 //     order they hold it (common.cuh's dq_tiled_at: 16-byte stores, a warp's 512 bytes
 //     contiguous, no bank conflicts), and a third producer warp has the copy engine add
 //     the buffer to dQacc's block of the step, summed in L2, with one bulk reduce-add
@@ -327,7 +329,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 //     copy engine still reads step i's; _det keeps the atomics, in turns, into dQacc in
 //     rows;
 //   - setmaxnreg: the producer keeps PRODUCER_REGS registers, the two consumer
-//     warpgroups take the rest, 240 (the step at D = 128 fits them; at 64 it spills);
+//     warpgroups take the rest, 240 (at D = 64, whose steps are 128 queries, only with
+//     dSᵀ formed beside Pᵀ: step_mid's EARLY; in flash2_bwd_wg's order it spills);
 //   - no CTA barrier in the loop: the consumers meet only at the step's dSᵀ barrier
 //     (named, 256 threads), and dSᵀ is double-buffered, so that a warpgroup may write the
 //     next step's while the other still reads this one's (a warpgroup passes step i + 1's
@@ -342,6 +345,11 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 namespace wsb {
 constexpr int THREADS = 384, STAGES = 2, PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = ((65536 / THREADS & ~7) * 3 - PRODUCER_REGS) / 2 & ~7;   // 240
+// dQ_i's shared buffers (not _det): two at D = 128; one at D = 64, where with two the
+// tiles and buffers of 128-row steps would fill all 227 KB a CTA may take, leaving no room
+// for the mbarriers. The copy engine reads a block within a fraction of a step, so the
+// consumers rarely find their one buffer still being read (kernels.py's WS_BWD_DQ_BUFFERS)
+template <int D> __host__ __device__ constexpr int dq_buffers() { return D == 64 ? 1 : 2; }
 }  // namespace wsb
 
 template <typename T, int D, bool DET, bool VAR>
@@ -355,7 +363,6 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
        int* __restrict__ sem, unsigned long long* io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
-    // (flashsim builds D = 128 only: at 64 the step spills in a consumer's 240 registers)
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     constexpr int Bc = wgb::Bc, BrB = wgb::brb<D>(), STAGES = wsb::STAGES;
     constexpr unsigned TILE_KV = Bc * D * 2, TILE_Q = BrB * D * 2, TILE_dS = Bc * BrB * 2;
@@ -367,11 +374,12 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     const unsigned sQ = sV + TILE_KV;                // STAGES slots of BrB·D
     const unsigned sdO = sQ + STAGES * TILE_Q;       // STAGES slots of BrB·D
     const unsigned sdS = sdO + STAGES * TILE_Q;      // 2 × dSᵀ: Bc keys × BrB queries
-    // dQ_i (not DET), double-buffered: BrB rows of D fp32 in dQacc's tiled order (common.cuh's
+    // dQ_i (not DET), in NDQ buffers: BrB rows of D fp32 in dQacc's tiled order (common.cuh's
     // dq_tiled_at), what the copy engine adds to dQacc's block of the step
+    constexpr int NDQ = wsb::dq_buffers<D>();
     constexpr unsigned TILE_dQ = DET ? 0 : BrB * D * 4;
-    const unsigned sdQ = sdS + 2 * TILE_dS;          // 2 × TILE_dQ
-    float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + 2 * TILE_dQ - smem_addr(smem_raw)));   // STAGES × BrB
+    const unsigned sdQ = sdS + 2 * TILE_dS;          // NDQ × TILE_dQ
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + NDQ * TILE_dQ - smem_addr(smem_raw)));   // STAGES × BrB
     float* sD = sL + STAGES * BrB;                   // STAGES × BrB
     // mbarriers: K_j, V_j full; per slot full, empty; per dQ_i buffer full, empty
     __shared__ __align__(8) unsigned long long bars[5 + 2 * STAGES];
@@ -454,8 +462,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
             if (lane == 0) {
                 const int Tr = (nq + BrB - 1) / BrB;
                 for (int i = ilo; i <= ihi; ++i) {
-                    const int n = i - ilo, b = n & 1;
-                    mbar_wait(dQfull(b), (n >> 1) & 1);
+                    const int n = i - ilo, b = n % NDQ;
+                    mbar_wait(dQfull(b), (n / NDQ) & 1);
                     bulk_reduce_add_f32(dQacc + ((long long)p * Tr + i) * (BrB * D), sdQ + b * TILE_dQ, TILE_dQ);
                     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // the buffer is read
@@ -478,8 +486,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     auto wait = [&](int i, int rows) {
         wgb::Turn t{nullptr, 0};
         if constexpr (!DET) {                        // the buffer's last dQ has left it
-            t.mine = (i - ilo) & 1;                  // the step's buffer, for pass
-            mbar_wait(dQempty(t.mine), (((i - ilo) >> 1) & 1) ^ 1);
+            t.mine = (i - ilo) % NDQ;                // the step's buffer, for pass
+            mbar_wait(dQempty(t.mine), (((i - ilo) / NDQ) & 1) ^ 1);
             return t;
         }
         t.counter = dq_turn<DET, false>(sem, nullptr, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &t.mine);
@@ -519,7 +527,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     auto rest = [&](int i) {                         // step i from the wait for its Sᵀ to dQ_i's product
         const wgb::Thread<1> th;                     // (from %tid.x where used, per step)
         const int n = i - ilo, s = n % STAGES;
-        wgb::step_mid<T, D, VAR, 1, 1>(th, tile, i, sQ + s * TILE_Q, sdO + s * TILE_Q, sdS + (n & 1) * TILE_dS,
+        wgb::step_mid<T, D, VAR, 1, 1, VAR || D == 64>(th, tile, i, sQ + s * TILE_Q, sdO + s * TILE_Q, sdS + (n & 1) * TILE_dS,
                                        sL + s * BrB, sD + s * BrB, dv_acc, dk_acc, s_acc, dp_acc, dq, scale,
                                        k_in, k_out, slope, [&] { mbar_arrive(empty(s)); });
     };
@@ -535,7 +543,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
             const int n = i - ilo, s1 = (n + 1) % STAGES;
             const wgb::Thread<1> th;
             wgb::step_dq<T, D, 1, !DET>(th, tile, (long long)p * Nq, i, dq, scale, dQacc, d, wait, pass,
-                                        sdQ + (n & 1) * TILE_dQ, [&] {
+                                        sdQ + (n % NDQ) * TILE_dQ, [&] {
                 mbar_wait(full(s1), ((n + 1) / STAGES) & 1);
                 wgb::step_s<T, D, 1>(th, tile, sQ + s1 * TILE_Q, s_acc);
             });
@@ -544,7 +552,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
         }
         const wgb::Thread<1> th;
         wgb::step_dq<T, D, 1, !DET>(th, tile, (long long)p * Nq, ihi, dq, scale, dQacc, d, wait, pass,
-                                    sdQ + ((ihi - ilo) & 1) * TILE_dQ);
+                                    sdQ + ((ihi - ilo) % NDQ) * TILE_dQ);
     }
 #else
     for (int i = ilo; i <= ihi; ++i) {
@@ -553,7 +561,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
         wgb::step<T, D, VAR, 1, 1, !DET>(tile, (long long)p * Nq, i, sQ + s * TILE_Q, sdO + s * TILE_Q,
                                    sdS + (n & 1) * TILE_dS, sL + s * BrB, sD + s * BrB, dv_acc, dk_acc,
                                    scale, k_in, k_out, dQacc, d, slope,
-                                   [&] { mbar_arrive(empty(s)); }, wait, pass, sdQ + (n & 1) * TILE_dQ);
+                                   [&] { mbar_arrive(empty(s)); }, wait, pass, sdQ + (n % NDQ) * TILE_dQ);
     }
 #endif
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
@@ -578,7 +586,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     lddk, lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io
 
 // dQ by the copy engine's reduce-adds from shared memory, in no fixed order, into dQacc in
-// blocks of 64 × 128 per problem and step (common.cuh's dq_tiled_at; sem is not read: pass
+// blocks of DQ_BLOCK per problem and step (common.cuh's dq_tiled_at; sem is not read: pass
 // a null pointer)
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(wsb::THREADS, 1) flash2_bwd_ws(FLASHSIM_BWD_WS_PARAMS) {

@@ -130,8 +130,11 @@ template <int D> struct DqBlock {
 };
 // 2.–4. up to dQ_i's product, issued and waited for with the rest (s, dp: step_s's and
 // step_dp's accumulators, Sᵀ and dPᵀ the last two groups in flight). read() is called once
-// the products have read Q_i and dO_i (and L_i, D_i).
-template <typename T, int D, bool VAR, int WG0, int BAR, typename Slope, typename Read>
+// the products have read Q_i and dO_i (and L_i, D_i). EARLY: wait for dPᵀ with Sᵀ and form
+// dSᵀ beside Pᵀ (VAR's order, the same operations on the same values), so that Pᵀ in fp32
+// is not held across dV_j's issue: flash2_bwd_ws at D = 64, whose 128-query steps would
+// otherwise need more than a consumer's 240 registers.
+template <typename T, int D, bool VAR, int WG0, int BAR, bool EARLY = VAR, typename Slope, typename Read>
 __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
                                          const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
                                          float* s, float* dp, float* dq, float scale, float k_in, float k_out,
@@ -148,9 +151,10 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
 
     // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per score,
     // kept until dPᵀ landed
-    wgmma_wait<VAR ? 0 : 1>();                       // Sᵀ is done; dPᵀ may run on
+    static_assert(EARLY || !VAR, "the softcap's dSᵀ is formed beside Pᵀ");
+    wgmma_wait<EARLY ? 0 : 1>();                     // Sᵀ is done; dPᵀ may run on
     fence_regs<BrB / 2>(s);
-    if constexpr (VAR) fence_regs<BrB / 2>(dp);
+    if constexpr (EARLY) fence_regs<BrB / 2>(dp);
 
     // 2. Pᵀ, then dV_j += Pᵀ dO_i. Register 4t + e holds key kr + 8·(e ≥ 2), query
     //    8t + 2·tig + (e & 1) of the step. Keys past Nk and pairs outside the band are
@@ -183,6 +187,9 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
             if constexpr (VAR) {                     // dSᵀ through the softcap (th = 0 without)
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
                 dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-tanh_s, tanh_s, 1.f);
+            } else if constexpr (EARLY) {
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+                dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
             }
         }
     }
@@ -198,16 +205,16 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
 #pragma unroll
     for (int kk = 0; kk < BrB / 16; ++kk) Wgmma<T, D>::rs(dv_acc, pf[kk], desc_plus(ddo, kk * 16 * CL::RB));
     wgmma_commit();
-    if constexpr (!VAR) {
+    if constexpr (!EARLY) {
         wgmma_wait<1>();                             // dPᵀ is done; dV_j's product may run on
         fence_regs<BrB / 2>(dp);
     }
 
-    // 3. dSᵀ = Pᵀ ∘ (dPᵀ − D) (VAR: formed above), dK_j += dSᵀ Q_i, dSᵀ to shared
+    // 3. dSᵀ = Pᵀ ∘ (dPᵀ − D) (EARLY: formed above), dK_j += dSᵀ Q_i, dSᵀ to shared
     //    memory: key row kr, query q at block q/64, 16-byte chunk (q%64)/8 ^ (kr & 7)
 #pragma unroll
     for (int t = 0; t < BrB / 8; ++t) {
-        if constexpr (!VAR) {
+        if constexpr (!EARLY) {
             const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
@@ -272,7 +279,7 @@ __device__ __forceinline__ void step_dq(const Thread<WG0>& th, const Tile& c, lo
         if constexpr (SDQ) {                         // every row and column, in the block's order
             // (common.cuh's dq_tiled_at): registers 4t … 4t + 3 are float4 t of the thread,
             // the warp's 32 lanes 512 contiguous bytes
-            static_assert(D == DQ_COLS && BrB == DQ_ROWS, "the tiled dQ block is 64 × 128");
+            static_assert(BrB * D == DQ_BLOCK && DB::QN == 64, "the tiled dQ block: 64 × 128 or 128 × 64");
             st_shared_f4(sdQ + (t * 256 + th.grp * 128 + th.warp * 32 + th.lane) * 16, scale * dq[4 * t],
                          scale * dq[4 * t + 1], scale * dq[4 * t + 2], scale * dq[4 * t + 3]);
         } else {

@@ -495,59 +495,68 @@ def test_tensor_core_rung_runs_head_dims_below_its_instances(d, dv, causal, Nq, 
         G.check_backward(q, k, v, "float16", causal, None, kernel="tc", deterministic=True)
 
 
-def _tiled_index(P, Nq, d):
-    """Where flash2_bwd_ws's threads put dQ_i's values in dQacc (the kernel's stores, not
-    common.cuh's dq_tiled_at): thread u = 128·h + 32·warp + 4·g + tig of the two consumer
-    warpgroups holds, in registers 4k + e of its m64n64 accumulator, row 16·warp + g + 8·(e
-    ≥ 2) and column 64·h + 8k + 2·tig + (e & 1) of the step's 64 × 128 block, and stores
-    float4 k at float (k·256 + u)·4 of the block. (problem, row, column) and the flat
-    index of each value in dQacc, for the rows below Nq and columns below d."""
-    Tr = -(-Nq // fs.kernels.DQ_ROWS)
+def _tiled_index(P, Nq, d, D):
+    """Where flash2_bwd_ws's threads put dQ_i's values in dQacc at instance D (the kernel's
+    stores, not common.cuh's dq_tiled_at): thread u = 128·h + 32·warp + 4·g + tig of the two
+    consumer warpgroups holds, in registers 4k + e of its m64n64 accumulator, row 16·warp +
+    g + 8·(e ≥ 2) and column 8k + 2·tig + (e & 1) of its 64 × 64 block of the step, which
+    is columns 64·h … of the step's 64 × 128 at D = 128 and rows 64·h … of its 128 × 64 at
+    D = 64; it stores float4 k at float (k·256 + u)·4 of the step's block. (problem, row,
+    column) and the flat index of each value in dQacc, for the rows below Nq and columns
+    below d."""
+    R = fs.kernels.dq_rows(D)
+    Tr = -(-Nq // R)
     h, k, w, g, tig, e = np.indices((2, 8, 4, 8, 4, 4)).reshape(6, -1)
     u = 128 * h + 32 * w + 4 * g + tig
-    r, c = 16 * w + g + 8 * (e >> 1), 64 * h + 8 * k + 2 * tig + (e & 1)
+    r, c = 16 * w + g + 8 * (e >> 1), 8 * k + 2 * tig + (e & 1)
+    if D == 128:
+        c = c + 64 * h
+    else:
+        r = r + 64 * h
     at = (k * 256 + u) * 4 + e
     p, i = np.indices((P, Tr)).reshape(2, -1, 1)
-    rows, cols = 64 * i + r, np.broadcast_to(c, (p.size, c.size))
-    flat = (p * Tr + i) * fs.kernels.DQ_ROWS * fs.kernels.DQ_COLS + at
+    rows, cols = R * i + r, np.broadcast_to(c, (p.size, c.size))
+    flat = (p * Tr + i) * fs.kernels.DQ_BLOCK + at
     keep = (rows < Nq) & (cols < d)
     return np.broadcast_to(p, rows.shape)[keep], rows[keep], cols[keep], flat[keep]
 
 
-@pytest.mark.parametrize("Nq,d", [(150, 72), (64, 128), (1, 8)])
-def test_the_tiled_dq_accumulator_is_zeroed_and_read_back_in_rows(Nq, d):
-    """flash2_bwd_ws's dQacc lies in blocks of 64 × 128 fp32 per problem and step of 64
-    rows, in the order its threads hold dQ_i: the pre-pass zeroes every float of every
-    block (tiled = 1), and the post-pass reads row r, column c of dQ back from where the
-    kernel's stores put it (dq_tiled_at against _tiled_index's mirror of those stores),
-    rows past Nq and columns past d untouched."""
+@pytest.mark.parametrize("Nq,d,D", [(150, 72, 128), (64, 128, 128), (1, 8, 128), (150, 56, 64),
+                                    (64, 64, 64), (1, 8, 64), (129, 64, 64), (257, 40, 64)])
+def test_the_tiled_dq_accumulator_is_zeroed_and_read_back_in_rows(Nq, d, D):
+    """flash2_bwd_ws's dQacc lies in blocks of DQ_BLOCK fp32 per problem and step of
+    dq_rows(D) rows (64 × 128 at D = 128, 128 × 64 at D = 64), in the order its threads hold
+    dQ_i: the pre-pass zeroes every float of every block (tiled = D), and the post-pass
+    reads row r, column c of dQ back from where the kernel's stores put it (dq_tiled_at
+    against _tiled_index's mirror of those stores), rows past Nq and columns past d
+    untouched."""
     from flashsim.gpu import _arrays as A, _device as dev
     cp, K = dev.cupy(), fs.kernels
-    P, Tr = 3, -(-Nq // K.DQ_ROWS)
+    P, Tr = 3, -(-Nq // K.dq_rows(D))
     rng = np.random.default_rng(Nq + d)
     at = np.zeros(P * A.AT_NUM, np.int64)
     at[A.AT_dQ::A.AT_NUM] = np.arange(P) * Nq * d          # dQ dense (P, Nq, d)
     at[A.AT_O::A.AT_NUM] = at[A.AT_dO::A.AT_NUM] = np.arange(P) * Nq * d
     io = dev.counters(cp, False)
-    acc = np.full((P, Tr, K.DQ_ROWS * K.DQ_COLS), np.nan, np.float32)
+    acc = np.full((P, Tr, K.DQ_BLOCK), np.nan, np.float32)
     o = rng.standard_normal((P, Nq, d)).astype(np.float16)
     Dr = np.zeros((P, Nq), np.float32)
     name, Dp = "flash2_bwd_preprocess_tc", K.pre_instance(d, d)
     dev.launch(cp, dev.kernel(name, "float16", False, Dp), K.grid(name, Nq, Nq, 64, 64, P), 0,
                (o, o, at, Dr, acc, np.int32(Nq), np.int32(d), np.int32(d), np.int32(d),
-                np.int32(d), np.int32(1), io), threads=K.threads(name, Dp, 90))
+                np.int32(d), np.int32(D), io), threads=K.threads(name, Dp, 90))
     assert not acc.any() and not np.isnan(acc).any()
     np.testing.assert_allclose(Dr, (o.astype(np.float32) ** 2).sum(-1), rtol=1e-3)
     dq = rng.standard_normal((P, Nq, d)).astype(np.float16)    # exact in fp32 and back
     acc[...] = np.nan
-    p, r, c, flat = _tiled_index(P, Nq, d)
+    p, r, c, flat = _tiled_index(P, Nq, d, D)
     assert len(np.unique(flat)) == len(flat) == P * Nq * d
     acc.reshape(-1)[flat] = dq[p, r, c]
     out = np.full((P, Nq, d), np.nan, np.float16)
     name = "flash2_bwd_postprocess"
     dev.launch(cp, dev.kernel(name, "float16", False), K.grid(name, Nq, Nq, 64, 64, P), 0,
                (acc, out, at, np.int32(Nq), np.int32(d), np.int32(d), np.int32(64),
-                np.int32(1), io), threads=K.threads(name, d, 90))
+                np.int32(D), io), threads=K.threads(name, d, 90))
     assert np.array_equal(out, dq)
 
 

@@ -738,21 +738,24 @@ def test_the_tma_forward_below_its_instance(monkeypatch, d, dv):
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
-@pytest.mark.parametrize("d,dv,det", [(96, 96, False), (112, 64, True), (120, 120, False),
-                                      (72, 128, False)])
+@pytest.mark.parametrize("d,dv,det", [
+    c for c in ((96, 96, False), (112, 64, True), (120, 120, False), (72, 128, False),
+                (56, 56, False), (64, 40, True), (48, 64, False))
+    if fs.kernels.instance_dim("wg", c[0], c[1], True) in fs.kernels.WS_BWD_HEAD_DIMS])
 def test_the_tma_backward_below_its_instance(monkeypatch, d, dv, det):
-    """flash2_bwd_ws (D = 128) runs head dims below D, its maps d (V and dO: dv) columns
-    wide: gradients by FlashAttention's 3× rule against the simulator, the counted bytes
-    the simulator's for the tiles block_sizes reports, dQ added as whole 64 × 128 blocks
-    (the copy engine's bulk reduce-adds; the post-pass reads the rows below Nq and the
-    columns below d) or in turns (deterministic), in every layout check_backward draws."""
+    """flash2_bwd_ws (D ∈ WS_BWD_HEAD_DIMS) runs head dims below D, its maps d (V and dO: dv)
+    columns wide: gradients by FlashAttention's 3× rule against the simulator, the counted
+    bytes the simulator's for the tiles block_sizes reports, dQ added as whole blocks (64 ×
+    128 at D = 128, 128 × 64 at 64: the copy engine's bulk reduce-adds; the post-pass reads
+    the rows below Nq and the columns below d) or in turns (deterministic), in every layout
+    check_backward draws."""
     from flashsim.gpu import flash2
     calls = []
     real = flash2._TmaLaunch.__call__
     monkeypatch.setattr(flash2._TmaLaunch, "__call__",
                         lambda self, *a, **k: (calls.append(self.name), real(self, *a, **k))[1])
     monkeypatch.setenv("FLASHSIM_TMA", "1")
-    assert fs.kernels.ws_runs(d, dv, 128, backward=True)
+    assert fs.kernels.ws_runs(d, dv, fs.kernels.instance_dim("wg", d, dv, True), backward=True)
     rng = np.random.default_rng(d + dv)
     rnd = make_precision("kernel", "float16").io_round
     for causal in (False, True):
@@ -768,8 +771,9 @@ def test_the_tma_backward_below_its_instance(monkeypatch, d, dv, det):
 @pytest.mark.parametrize("torch_in", [False, True])
 @pytest.mark.parametrize("kw", [dict(causal=False), dict(causal=True), dict(window=(100, 30)),
                                 dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125])])
-def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_in, kw):
-    """flash2_bwd_ws (TMA, d = 128) runs where "auto" meets dense inputs on a 9.0 device
+@pytest.mark.parametrize("d", fs.kernels.WS_BWD_HEAD_DIMS)
+def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_in, kw, d):
+    """flash2_bwd_ws (TMA, d = D of each instance) runs where "auto" meets dense inputs on a 9.0 device
     (PyTorch's fast path included) and gives flash2_bwd_wg's dk and dv bit for bit (same
     tiles, same steps), dq to fp32 atomics' order, and deterministic=True the same bits
     for all three; the same counted bytes; FLASHSIM_TMA=0 runs flash2_bwd_wg. Ragged,
@@ -782,8 +786,8 @@ def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_i
     monkeypatch.setattr(flash2._TmaLaunch, "__call__",
                         lambda self, *a, **k: (calls.append(self.name), real(self, *a, **k))[1])
     rng = np.random.default_rng(19)
-    q = rng.standard_normal((2, 333, 4, 128)).astype(np.float16).transpose(0, 2, 1, 3)
-    k, v = (rng.standard_normal((2, 2, 517, 128)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((2, 333, 4, d)).astype(np.float16).transpose(0, 2, 1, 3)
+    k, v = (rng.standard_normal((2, 2, 517, d)).astype(np.float16) for _ in range(2))
     q[..., :2, :] *= 8                                   # outliers
     if "alibi_slopes" in kw:
         kw = dict(alibi_slopes=kw["alibi_slopes"] + [0.75])

@@ -210,7 +210,9 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     assert kernels.ws_runs(128, 128, 128, backward=True, variant=True)
     assert kernels.ws_runs(120, 120, 128, backward=True)          # below D too
     assert kernels.ws_runs(112, 64, 128, backward=True) and not kernels.ws_runs(64, 64, 64, backward=True)
+    assert not kernels.ws_runs(32, 32, 32, backward=True) and not kernels.ws_runs(96, 96, 96, backward=True)
     assert kernels.smem_bytes("flash2_bwd_ws", 64, 128, 128, 128, "float16") <= 227 * 1024
+    assert kernels.smem_bytes("flash2_bwd_ws", 128, 128, 64, 64, "float16") <= 227 * 1024
     # a producer warpgroup and one consumer per 64 rows: three at d = 64, two at 96 and 128
     assert [kernels.threads("flash2_fwd_ws", D, 90) for D in (64, 96, 128)] == [512, 384, 384]
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 64), variant=True)

@@ -143,15 +143,23 @@ def test_the_backward_maps_dO_beside_Q_K_V():
 
 
 def test_the_backward_adds_dQ_in_blocks_the_header_and_python_agree_on():
-    """flash2_bwd_ws adds dQ into dQacc as whole blocks of DQ_ROWS × DQ_COLS fp32 per
-    problem and step (one bulk reduce-add each, no tensor map, any d): the launcher sizes
-    dQacc and the post-pass reads it with the header's constants, and a block is one
-    step of the backward's tiles at its instance."""
+    """flash2_bwd_ws adds dQ into dQacc as whole blocks of DQ_BLOCK fp32 per problem and
+    step (one bulk reduce-add each, no tensor map, any d): the launcher sizes dQacc and
+    the post-pass reads it with the header's constants, a block is one step of the
+    backward's tiles at its instance (64 × 128 at D = 128, 128 × 64 at D = 64), and the
+    shared memory the launcher gives holds the kernel's dQ buffers."""
     import re
     from flashsim.gpu.flash2 import _dq_tiled_shape
-    text = (fs.kernels.kernel_dir() / "common.cuh").read_text()
-    got = re.search(r"constexpr int DQ_ROWS = (\d+), DQ_COLS = (\d+)", text)
-    assert (int(got[1]), int(got[2])) == (fs.kernels.DQ_ROWS, fs.kernels.DQ_COLS)
-    assert fs.kernels.WS_BWD_HEAD_DIMS == (fs.kernels.DQ_COLS,)
-    assert fs.kernels.wg_blocks(fs.kernels.DQ_COLS, True)[0] == fs.kernels.DQ_ROWS
-    assert _dq_tiled_shape(3, 129) == (3, 3, 64 * 128)
+    K = fs.kernels
+    text = (K.kernel_dir() / "common.cuh").read_text()
+    assert re.search(r"constexpr int DQ_BLOCK = 64 \* 128;", text) and K.DQ_BLOCK == 64 * 128
+    assert "inline int dq_rows(int D) { return DQ_BLOCK / D; }" in text
+    assert set(K.WS_BWD_HEAD_DIMS) <= set(K.WS_BWD_DQ_BUFFERS) == {64, 128}
+    for D in K.WS_BWD_DQ_BUFFERS:
+        assert K.wg_blocks(D, True)[0] == K.dq_rows(D) and K.dq_rows(D) * D == K.DQ_BLOCK
+    ws = (K.kernel_dir() / "flash2_ws.cu").read_text()
+    assert "dq_buffers() { return D == 64 ? 1 : 2; }" in ws
+    assert K.WS_BWD_DQ_BUFFERS == {64: 1, 128: 2}
+    assert _dq_tiled_shape(3, 129, 128) == (3, 3, 64 * 128)
+    assert _dq_tiled_shape(3, 129, 64) == (3, 2, 64 * 128)
+    assert _dq_tiled_shape(3, 128, 64) == (3, 1, 64 * 128)

@@ -437,9 +437,10 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
         deterministic,
         {A.AT_Q: (qi.arr, "q"), A.AT_K: (ki.arr, "k"), A.AT_V: (vi.arr, "k"),
          A.AT_dO: (doi.arr, "q")}, ld)
-    # the fp32 dQ accumulator: in rows, or in the copy-engine backward's blocks (tiled)
-    tiled = ws is not None and not deterministic
-    dQacc = A.empty(cp, _dq_tiled_shape(P, Nq) if tiled else (P, Nq, d), cp.float32)
+    # the fp32 dQ accumulator: in rows, or in the copy-engine backward's blocks (tiled: its
+    # instance D, which the pre- and post-pass take; 0: in rows)
+    tiled = D if ws is not None and not deterministic else 0
+    dQacc = A.empty(cp, _dq_tiled_shape(P, Nq, D) if tiled else (P, Nq, d), cp.float32)
     lds = tuple(ld[t] for t in (A.AT_Q, A.AT_K, A.AT_V, A.AT_dO, A.AT_dK, A.AT_dV))
     main = (qi.arr, ki.arr, vi.arr, at, doi.arr, L, Dr, dQacc, dK, dV, i32(Nq), i32(Nk))
 
@@ -545,12 +546,12 @@ class _Launcher:
                     stream, 0, self.extra_ptr)
 
 
-def _dq_tiled_shape(P: int, Nq: int) -> tuple[int, int, int]:
-    """The shape of flash2_bwd_ws's fp32 dQ accumulator: per problem, a block of
-    DQ_ROWS × DQ_COLS floats per step of DQ_ROWS query rows, in the order the kernel's
+def _dq_tiled_shape(P: int, Nq: int, D: int) -> tuple[int, int, int]:
+    """The shape of flash2_bwd_ws's fp32 dQ accumulator at instance D: per problem, a
+    block of DQ_BLOCK floats per step of dq_rows(D) query rows, in the order the kernel's
     threads hold dQ_i (kernels_cu/common.cuh's dq_tiled_at), which the post-pass reads
     back in rows."""
-    return (P, -(-Nq // K.DQ_ROWS), K.DQ_ROWS * K.DQ_COLS)
+    return (P, -(-Nq // K.dq_rows(D)), K.DQ_BLOCK)
 
 
 class _TmaLaunch:
@@ -884,7 +885,7 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
     f32 = dict(dtype=torch.float32, device=q.device)
     at, pre, main, post, tiled = bwd
     D = torch.empty((B * H, Nq), **f32)
-    dQacc = torch.empty(_dq_tiled_shape(B * H, Nq) if tiled else (B * H, Nq, d), **f32)
+    dQacc = torch.empty(_dq_tiled_shape(B * H, Nq, tiled) if tiled else (B * H, Nq, d), **f32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     index = q.device.index
     with plan.cp.cuda.Device(index):
@@ -898,10 +899,10 @@ def _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel="auto"):
 
 def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
     """The backward's row table, three launchers (pre-pass, main loop, post-pass) and
-    whether its dQ accumulator is tiled (flash2_bwd_ws's blocks) for a forward plan's
-    shapes and these out, dout strides, or False where its tiles do not fit the device's
-    shared memory or the kernels cannot read a layout. The main loop is the Hopper one
-    where the device runs it (unless ``kernel`` is "tc")."""
+    how its dQ accumulator lies (flash2_bwd_ws's blocks: their instance D; 0: in rows) for
+    a forward plan's shapes and these out, dout strides, or False where its tiles do not
+    fit the device's shared memory or the kernels cannot read a layout. The main loop is
+    the Hopper one where the device runs it (unless ``kernel`` is "tc")."""
     import torch
     B, H, Nq, d = q.shape
     Nk = k.shape[2]
@@ -947,14 +948,14 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
                         plan.scale, 0.0, 0.0, 0, 0, plan.io), 7)
                 main = _WsBackwardMain(ws)
         # (O, dO, at, D, dQacc | Nq, ldo, lddo, d, dv, tiled, io)
-        tiled = isinstance(main, _WsBackwardMain)
+        tiled = D if isinstance(main, _WsBackwardMain) else 0
         pre = _Launcher(dev.kernel("flash2_bwd_preprocess_tc", dtype, False, Dp), "5Q6iQ",
                         K.grid("flash2_bwd_preprocess_tc", Nq, Nk, Br, Bc, P),
                         K.threads("flash2_bwd_preprocess_tc", Dp, cc), 0,
-                        (Nq, ld[A.AT_O], ld[A.AT_dO], d, d, int(tiled), plan.io))
+                        (Nq, ld[A.AT_O], ld[A.AT_dO], d, d, tiled, plan.io))
         # (dQacc, dQ, at | Nq, lddq, d, Br, tiled, io)
         post = _Launcher(dev.kernel("flash2_bwd_postprocess", dtype, False), "3Q5i4xQ",
                          K.grid("flash2_bwd_postprocess", Nq, Nk, Br, Bc, P),
                          K.threads("flash2_bwd_postprocess", d, cc), 0,
-                         (Nq, ld[A.AT_dQ], d, Br, int(tiled), plan.io))
+                         (Nq, ld[A.AT_dQ], d, Br, tiled, plan.io))
     return at, pre, main, post, tiled
