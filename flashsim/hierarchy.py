@@ -149,6 +149,10 @@ EFFICIENCY = {
     # deterministic mode keeps wg_det's atomics in turns and is taken at wg_det's η (not
     # measured apart)
     ("flash2_bwd_ws", 128): 0.414, ("flash2_bwd_ws_det", 128): 0.302,
+    # its D = 64 instance from wg's 0.341 at 64 by wg / ws time = 17.31 / 16.69 ms (one
+    # process, H100, float16, N = 16384, no mask, the mean of two interleaved replays each:
+    # kernels_cu/NOTES.md v41); det at wg_det's η, as at 128
+    ("flash2_bwd_ws", 64): 0.354, ("flash2_bwd_ws_det", 64): 0.280,
     # the wg D = 160 and 224 instances (wgmma.cuh's Parts) from D = 192 and 256 by their
     # TF/s at d = D, N = 4096, float16, no mask (analysis/out/bench/hopper_v31.json against
     # head_dims.json: another process on the same device): forward 351 / 367 and 370 / 440,

@@ -192,12 +192,9 @@ WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
 # for two), at D ∈ WS_BWD_HEAD_DIMS, d, dv ≤ D. Its dQ accumulator (not _det's) lies in
 # blocks of DQ_BLOCK fp32 per problem and step of dq_rows(D) rows (the instance's Br: 64 ×
 # 128 at D = 128, 128 × 64 at D = 64), in the order its threads hold dQ_i (common.cuh's
-# DQ_BLOCK, dq_rows, dq_tiled_at; tests/test_tma.py holds the two equal). The D = 64
-# instance builds without spills and gave flash2_bwd_wg's dK, dV bits on the shapes that
-# kernels_cu/NOTES.md v41 times (0.94-0.97x its time), but the GPU test suite has not run
-# it: it joins WS_BWD_HEAD_DIMS (which the build, the launchers and the tests read) once
-# that suite passes with it there.
-WS_BWD_HEAD_DIMS = (128,)
+# DQ_BLOCK, dq_rows, dq_tiled_at; tests/test_tma.py holds the two equal). The build, the
+# launchers, the launch model and the tests read WS_BWD_HEAD_DIMS.
+WS_BWD_HEAD_DIMS = (64, 128)
 WS_BWD_THREADS = 384
 WS_BWD_DQ_BUFFERS = {64: 1, 128: 2}
 DQ_BLOCK = 64 * 128
@@ -416,7 +413,7 @@ REGISTERS = {
               "flash2_bwd_wg": {32: 220, 64: 253, 128: 238, 160: 194, 192: 180, 224: 227, 256: 232},
               "flash2_bwd_wg_det": {32: 220, 64: 252, 128: 236, 160: 190, 192: 176, 224: 223,
                                     256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},
-              "flash2_bwd_ws": {128: 168}, "flash2_bwd_ws_det": {128: 168},
+              "flash2_bwd_ws": {64: 168, 128: 168}, "flash2_bwd_ws_det": {64: 168, 128: 168},
               "kvcache_append": 32,
               "splitkv_fwd_tc_m16": {64: 152, 128: 173}, "splitkv_fwd_tc_m32": {64: 146, 128: 198},
               "splitkv_fwd_tc_m64": {64: 161, 128: 219},
@@ -757,7 +754,7 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     registers, static shared memory, stack and spill bytes per instance. Raises
     RuntimeError with the compiler's output if anything fails to compile. ``cache``:
     ptxas's report of each compilation is kept under ~/.cache/flashsim/build, keyed by the
-    nvcc version, the command and every kernel source and header, so an unchanged build
+    nvcc version, the command, the instances and every kernel source and header, so an unchanged build
     (the test suite's, then `flashsim kernels build`'s) compiles once."""
     if not re.fullmatch(r"sm_\d{2,3}a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
@@ -778,12 +775,13 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     def compile_one(job, tmp):
         src, count_io, k, target = job
         key = None
+        exprs = [i.expr for i in instances(src) if i.kernel == k]
         if digest is not None:
-            key = hashlib.sha256(repr((digest, job)).encode()).hexdigest()
+            # the instance list is Python's (e.g. WS_BWD_HEAD_DIMS): part of the key too
+            key = hashlib.sha256(repr((digest, job, exprs)).encode()).hexdigest()
             hit = _build_cache_dir() / f"{key}.ptxas"
             if hit.is_file():
                 return [r for r in _parse_ptxas(hit.read_text(), src, count_io) if r.kernel == k]
-        exprs = [i.expr for i in instances(src) if i.kernel == k]
         inst = Path(tmp) / "instances.cu"
         refs = ",\n    ".join(f"(void*)&{e}" for e in exprs)
         inst.write_text(f'#include "{src}"\n'

@@ -357,7 +357,11 @@ def test_grids_threads_and_occupancy():
     assert (main.Br, main.Bc) == K.WG_BWD_BLOCKS[128] and main.threads == 384
     (_, w64, _) = h.launches(make_shape(Nq=4096, Nk=2048, d=64, batch_shape=(2, 4)), "float16",
                              H100, backward=True)
-    assert w64.kernel == "flash2_bwd_wg" and w64.threads == 256
+    assert w64.kernel == "flash2_bwd_ws" and w64.threads == 384      # D = 64 too
+    assert (w64.Br, w64.Bc) == K.WG_BWD_BLOCKS[64]
+    (_, w160, _) = h.launches(make_shape(Nq=4096, Nk=2048, d=160, batch_shape=(2, 4)), "float16",
+                              H100, backward=True)
+    assert w160.kernel == "flash2_bwd_wg" and w160.threads == 256    # D = 160: the cp.async one
     _, tc_main, _ = h.launches(shape, "float16", H100, backward=True, launch="tc")
     assert tc_main.kernel == "flash2_bwd_tc"
     assert pre.grid == (4096 // K.TC_PRE_BR, 8) and main.grid == (2048 // 128, 8)
@@ -454,7 +458,7 @@ def test_hardware_in_simulate_and_backward_equals_count():
     cb = fs.count_backward("flash2", Nq=200, Nk=200, d=64, batch_shape=(2, 4), causal=True,
                            hardware="H100", deterministic=True)
     assert g.prediction.levels == cb.levels and g.traffic == cb.traffic
-    assert [lp.launch.kernel for lp in cb.launches][1] == "flash2_bwd_wg_det"
+    assert [lp.launch.kernel for lp in cb.launches][1] == "flash2_bwd_ws_det"
     # without hardware, nothing changes
     assert fs.simulate(q, k, v, "flash2", block_sizes=(128, 64), causal=True).prediction is None
 
@@ -479,7 +483,7 @@ def test_levels_compare_add_and_print():
     assert lv == p.levels and set(lv) == {"SM-L2", "L2-DRAM", "compulsory"}
     assert (lv + lv)["SM-L2"] == lv.sm_l2 * 2
     text = p.table()
-    assert "SM↔L2 reduce" in text and "L2↔DRAM read" in text and "flash2_bwd_wg" in text
+    assert "SM↔L2 reduce" in text and "L2↔DRAM read" in text and "flash2_bwd_ws" in text
     with pytest.raises(KeyError, match="levels are"):
         lv["HBM"]
 

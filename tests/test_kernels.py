@@ -50,10 +50,10 @@ def test_every_kernel_compiles_without_spills(arch):
     # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
     # forward × 2 dtypes × 8 head dims, the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
     # TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and its backward's 2
-    # kernels at d = 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
+    # kernels at d = 64, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
     # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
-                                 + (48 + 84 + 12 + 8 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (48 + 84 + 12 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -205,11 +205,12 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128))
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128), variant=True)
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 128))
-    # the backward fed by TMA at d = 128 (softcap/ALiBi too): flash2_bwd_wg's tiles
-    assert kernels.WS_BWD_HEAD_DIMS == (128,)
+    # the backward fed by TMA at d = 64 and 128 (softcap/ALiBi too): flash2_bwd_wg's tiles
+    assert kernels.WS_BWD_HEAD_DIMS == (64, 128)
     assert kernels.ws_runs(128, 128, 128, backward=True, variant=True)
+    assert kernels.ws_runs(64, 64, 64, backward=True, variant=True)
     assert kernels.ws_runs(120, 120, 128, backward=True)          # below D too
-    assert kernels.ws_runs(112, 64, 128, backward=True) and not kernels.ws_runs(64, 64, 64, backward=True)
+    assert kernels.ws_runs(112, 64, 128, backward=True) and kernels.ws_runs(48, 40, 64, backward=True)
     assert not kernels.ws_runs(32, 32, 32, backward=True) and not kernels.ws_runs(96, 96, 96, backward=True)
     assert kernels.smem_bytes("flash2_bwd_ws", 64, 128, 128, 128, "float16") <= 227 * 1024
     assert kernels.smem_bytes("flash2_bwd_ws", 128, 128, 64, 64, "float16") <= 227 * 1024
