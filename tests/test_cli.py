@@ -256,7 +256,7 @@ def test_simulate_hardware_prints_three_levels(capsys):
                              deterministic=True)
     assert [x["kernel"] for x in d["launches"]] == [lp.launch.kernel for lp in want.launches]
     assert d["levels"] == want.levels.to_dict() and d["time_s"] == want.time_s
-    assert d["launches"][1]["kernel"] == "flash2_bwd_wg_det"
+    assert d["launches"][1]["kernel"] == "flash2_bwd_ws_det"
 
 
 @pytest.mark.parametrize("argv, message", [
