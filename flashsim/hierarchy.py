@@ -148,11 +148,15 @@ EFFICIENCY = {
     # (one process, H100, float16, N = 16384, no mask: kernels_cu/NOTES.md v23); its
     # deterministic mode keeps wg_det's atomics in turns and is taken at wg_det's η (not
     # measured apart)
-    ("flash2_bwd_ws", 128): 0.414, ("flash2_bwd_ws_det", 128): 0.302,
     # its D = 64 instance from wg's 0.341 at 64 by wg / ws time = 17.31 / 16.69 ms (one
     # process, H100, float16, N = 16384, no mask, the mean of two interleaved replays each:
-    # kernels_cu/NOTES.md v41); det at wg_det's η, as at 128
-    ("flash2_bwd_ws", 64): 0.354, ("flash2_bwd_ws_det", 64): 0.280,
+    # kernels_cu/NOTES.md v41); det at wg_det's η, as at 128. Then both plain instances by
+    # v41 / v42 time (the mask behind one branch; one process, H100, float16, N = 16384,
+    # no mask, the mean of two replays: 17.03 / 11.62 ms at 64, 12.20 / 10.76 at 128,
+    # NOTES v42). v42 runs in flash2_bwd_wg and the det kernels too, whose η are v41's
+    # (not re-measured).
+    ("flash2_bwd_ws", 128): 0.469, ("flash2_bwd_ws_det", 128): 0.302,
+    ("flash2_bwd_ws", 64): 0.519, ("flash2_bwd_ws_det", 64): 0.280,
     # the wg D = 160 and 224 instances (wgmma.cuh's Parts) from D = 192 and 256 by their
     # TF/s at d = D, N = 4096, float16, no mask (analysis/out/bench/hopper_v31.json against
     # head_dims.json: another process on the same device): forward 351 / 367 and 370 / 440,

@@ -169,28 +169,52 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
         vs = VarScores{k_in, k_out, slope()};
         dist0 = (float)(i0 + tig * 2 + (c.nk - c.nq) - j0 - kr);   // q + off − key, per step
     }
+    if constexpr (VAR) {
 #pragma unroll
-    for (int t = 0; t < BrB / 8; ++t) {
-        const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
+        for (int t = 0; t < BrB / 8; ++t) {
+            const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float l = (e & 1) ? l2.y : l2.x;
-            float tanh_s = 0.f;
-            if constexpr (VAR)
+            for (int e = 0; e < 4; ++e) {
+                const float l = (e & 1) ? l2.y : l2.x;
+                float tanh_s = 0.f;
                 s[4 * t + e] = ex2(fmaf(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &tanh_s), vs.scale(), -l));
-            else
-                s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -l));
-            if (partial) {
-                const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
-                if (key >= c.nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
-            }
-            if constexpr (VAR) {                     // dSᵀ through the softcap (th = 0 without)
+                if (partial) {
+                    const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
+                    if (key >= c.nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
+                }
+                // dSᵀ through the softcap (th = 0 without)
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
                 dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-tanh_s, tanh_s, 1.f);
-            } else if constexpr (EARLY) {
-                const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
-                dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
             }
+        }
+    } else {
+        // the mask in a loop of its own behind one branch: tested per t, each step without
+        // one took BrB/8 branches, and their targets' instruction fetches stalled the warps
+        // (Nsight Compute at D = 64: "no instruction" a sixth of the stall samples). A masked
+        // score's dSᵀ is then +0 where Pᵀ·(dPᵀ − D) gave ±0: the same sums.
+#pragma unroll
+        for (int t = 0; t < BrB / 8; ++t) {
+            const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[4 * t + e] = ex2(fmaf(s[4 * t + e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                if constexpr (EARLY) {
+                    const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+                    dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x));
+                }
+            }
+        }
+        if (partial) {
+#pragma unroll
+            for (int t = 0; t < BrB / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
+                    if (key >= c.nk || !band.sees(q, key)) {
+                        s[4 * t + e] = 0.f;
+                        if constexpr (EARLY) dp[4 * t + e] = 0.f;
+                    }
+                }
         }
     }
     unsigned pf[BrB / 16][4], dsf[BrB / 16][4];      // Pᵀ, dSᵀ in T: A operands, k-step of 16 queries

@@ -816,23 +816,29 @@ def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_i
     assert ws[2][3] == wg[2][3]
 
 
-@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
-def test_the_sm90a_build_is_cached_on_disk(monkeypatch, tmp_path):
-    """NVRTC's sm_90a cubin is kept under CUPY_CACHE_DIR and read back by a new process
-    (here: a cleared in-memory cache, and a compiler that must not be called)."""
+@pytest.mark.parametrize("name, stem", [("flash2_fwd_wg", "flash2_wg"), ("flash2_fwd_tc", "flash2_tc"),
+                                        ("flash2_bwd_postprocess", "flash2_ref")])
+def test_one_instance_is_built_and_cached_on_disk(monkeypatch, tmp_path, name, stem):
+    """NVRTC builds the one instance asked for (sm_90a's and the plain arch's alike), keeps
+    its cubin under CUPY_CACHE_DIR and a new process reads it back (here: a cleared
+    in-memory cache, and a compiler that must not be called)."""
+    if stem == "flash2_wg" and not hopper():
+        pytest.skip("needs compute capability 9.0")
+    D = None if stem == "flash2_ref" else 64
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     fs.gpu._device.module.cache_clear()
     fs.gpu._device.kernel_on.cache_clear()
     try:
-        fs.gpu._device.kernel("flash2_fwd_wg", "float16", True, 64)
-        assert len(list(tmp_path.glob("flashsim_flash2_wg_*.cubin"))) == 1
+        k = fs.gpu._device.kernel(name, "float16", True, D)
+        assert isinstance(k, fs.gpu._device.ArchKernel) and k.shared_size_bytes >= 0
+        assert len(list(tmp_path.glob(f"flashsim_{stem}_*.cubin"))) == 1
         fs.gpu._device.module.cache_clear()
         fs.gpu._device.kernel_on.cache_clear()
 
         def no_compile(*a):
             raise AssertionError("compiled again")
         monkeypatch.setattr(fs.gpu._device.ArchModule, "_compile", staticmethod(no_compile))
-        fs.gpu._device.kernel("flash2_fwd_wg", "float16", True, 64)
+        fs.gpu._device.kernel(name, "float16", True, D)
     finally:
         fs.gpu._device.module.cache_clear()
         fs.gpu._device.kernel_on.cache_clear()

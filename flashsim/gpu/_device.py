@@ -131,34 +131,49 @@ def headers_digest() -> str:
 @functools.lru_cache(maxsize=None)
 def module(source: str, count_io: bool, device: int, exprs: tuple | None = None):
     """The kernels of ``source`` built for ``device``: all its instances, or those named
-    (``exprs``: NVRTC name expressions; the arch-specific sources are built one instance
-    at a time, as asked for: each of their instances takes ptxas seconds, and a first
-    call should not wait for all of them)."""
+    (``exprs``: NVRTC name expressions). On a GPU every source is built one instance at a
+    time, as asked for: each instance takes ptxas seconds (flash2_tc.cu holds over a
+    hundred), and a first call should not wait for all of them. The CPU emulation builds
+    a source whole."""
     cp = cupy()
     code = (K.kernel_dir() / source).read_text() + f"\n// headers: {headers_digest()}\n"
     if source in K.ARCH_SPECIFIC:
         if is_emulated():
             raise GPUUnavailableError(f"{source} ({K.ARCH_SPECIFIC[source]}) is not emulated: "
                                       "the CPU emulation runs the reference rung")
-        return ArchModule(source, code, count_io, exprs)
+        return ArchModule(source, code, count_io, exprs, K.ARCH_SPECIFIC[source])
     # the instances that run on this device (none needing clusters below 9.0, nor in the
     # CPU emulation)
     target = 0 if is_emulated() else cc(device)
+    if exprs is not None and not is_emulated():
+        try:
+            return ArchModule(source, code, count_io, exprs, f"sm_{target}")
+        except UnsupportedArch:
+            pass           # a device newer than this NVRTC: CuPy's build (PTX for the driver)
     return cp.RawModule(code=code, options=compile_options(count_io),
                         name_expressions=K.name_expressions(source, target))
 
 
-class ArchModule:
-    """A source built by NVRTC for its arch-specific target (K.ARCH_SPECIFIC: sm_90a for
-    wgmma), which CuPy's RawModule, naming the plain target itself, cannot ask for. The
-    cubin and the kernels' mangled names are cached on disk beside CuPy's own kernels,
-    keyed by everything the build depends on."""
+class UnsupportedArch(RuntimeError):
+    """NVRTC does not know the device's architecture (its only option that can be
+    invalid: the rest are fixed)."""
 
-    def __init__(self, source: str, code: str, count_io: bool, exprs=None):
+
+NVRTC_ERROR_INVALID_OPTION = 5
+
+
+class ArchModule:
+    """Instances of a source built by NVRTC into a cubin for ``arch``: the arch-specific
+    targets (K.ARCH_SPECIFIC: sm_90a for wgmma), which CuPy's RawModule, naming the plain
+    target itself, cannot ask for, and one instance of any source at a time. The cubin and
+    the kernels' mangled names are cached on disk beside CuPy's own kernels, keyed by
+    everything the build depends on."""
+
+    def __init__(self, source: str, code: str, count_io: bool, exprs, arch: str):
         cp = cupy()
         from cupy_backends.cuda.libs import nvrtc
         exprs = list(exprs or K.name_expressions(source))
-        opts = compile_options(count_io) + (f"-arch={K.ARCH_SPECIFIC[source]}",)
+        opts = compile_options(count_io) + (f"-arch={arch}",)
         # code ends with the headers' digest (module)
         key = hashlib.sha256("\0".join((code, *opts, *exprs, str(nvrtc.getVersion())))
                              .encode()).hexdigest()[:40]
@@ -191,6 +206,8 @@ class ArchModule:
             try:
                 nvrtc.compileProgram(prog, list(opts))
             except nvrtc.NVRTCError as e:
+                if getattr(e, "status", None) == NVRTC_ERROR_INVALID_OPTION:
+                    raise UnsupportedArch(f"NVRTC {nvrtc.getVersion()} rejects {opts[-1]}") from e
                 raise RuntimeError(f"NVRTC failed on {source} ({' '.join(opts)}):\n"
                                    f"{nvrtc.getProgramLog(prog)}") from e
             return bytes(nvrtc.getCUBIN(prog)), {e: nvrtc.getLoweredName(prog, e) for e in exprs}
@@ -203,10 +220,18 @@ class ArchModule:
 
 class ArchKernel:
     """A driver function with what the launchers use of a CuPy RawKernel: ``.kernel``,
-    ``max_dynamic_shared_size_bytes`` and a call on the current stream."""
+    ``shared_size_bytes``, ``max_dynamic_shared_size_bytes`` and a call on the current
+    stream."""
 
     def __init__(self, fn):
         self.kernel = fn
+
+    @property
+    def shared_size_bytes(self) -> int:
+        """The kernel's static shared memory (launch adds it to the dynamic bytes)."""
+        drv = cupy().cuda.driver
+        return drv.funcGetAttribute(getattr(drv, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", 1),
+                                    self.kernel.ptr)
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
@@ -235,7 +260,7 @@ def kernel(name: str, dtype: str, count_io: bool, D: int | None = None, variant:
 def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int,
               variant: bool = False, varlen: bool = False):
     inst = K.instance(name, dtype, D, variant, varlen)
-    one = (inst.expr,) if inst.source in K.ARCH_SPECIFIC else None
+    one = None if is_emulated() else (inst.expr,)
     return module(inst.source, count_io, device, one).get_function(inst.expr)
 
 
