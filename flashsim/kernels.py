@@ -754,8 +754,8 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     registers, static shared memory, stack and spill bytes per instance. Raises
     RuntimeError with the compiler's output if anything fails to compile. ``cache``:
     ptxas's report of each compilation is kept under ~/.cache/flashsim/build, keyed by the
-    nvcc version, the command, the instances and every kernel source and header, so an unchanged build
-    (the test suite's, then `flashsim kernels build`'s) compiles once."""
+    nvcc version, the command, the instances and every kernel source and header, so an
+    unchanged build (the test suite's, then `flashsim kernels build`'s) compiles once."""
     if not re.fullmatch(r"sm_\d{2,3}a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     nvcc = nvcc or shutil.which("nvcc")
