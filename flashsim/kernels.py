@@ -376,6 +376,22 @@ def grid(kernel: str, Nq: int, Nk: int, Br: int, Bc: int, problems: int) -> tupl
     return -(-N // B), problems
 
 
+def ws_forward_smem(Br: int, Bc: int, d: int, walking: bool) -> int:
+    """Dynamic shared memory of flash2_fwd_ws (16-bit tiles of d columns): Q_i in two
+    slots where its CTAs walk several tiles (``walking``), else one; WS_STAGES slots of
+    K_j and of V_j; room to start the tiles on 1024 bytes."""
+    return ((2 if walking else 1) * Br * d + 2 * WS_STAGES * Bc * d) * 2 + 1024
+
+
+def ws_forward_ctas(tiles: int, sms: int, banded: bool) -> int:
+    """CTAs of a flash2_fwd_ws launch over ``tiles`` Q tiles (grid(…)'s x·y, in its
+    order): one per tile under a band (causal, a window), whose tiles differ in cost and
+    are best handed to whichever SM frees first; else one per SM (the kernel takes one
+    CTA an SM), each walking tiles b, b + CTAs, …, so that its producer loads the next
+    tile's Q_i and first K_j, V_j while the consumers finish the last (NOTES v44)."""
+    return tiles if banded else min(tiles, sms)
+
+
 def threads(kernel: str, d: int, cc: int) -> int:
     """Threads per CTA of ``kernel`` at head dim d on a device of compute capability cc."""
     if kernel == "flash2_fwd_tc":
@@ -627,8 +643,8 @@ def smem_bytes(kernel: str, Br: int, Bc: int, d: int, dv: int, dtype: str) -> in
         return (Br + 4 * Bc) * tc_row(d) * 2
     if kernel == "flash2_fwd_wg":   # the same, plus room to start the tiles on 1024 bytes
         return (Br * d + 4 * Bc * d) * 2 + 1024
-    if kernel == "flash2_fwd_ws":   # Q_i, and WS_STAGES slots of K_j and of V_j
-        return (Br * d + 2 * WS_STAGES * Bc * d) * 2 + 1024
+    if kernel == "flash2_fwd_ws":   # as its CTAs walking several tiles take it
+        return ws_forward_smem(Br, Bc, d, walking=True)
     if kernel in ("flash2_bwd_tc", "flash2_bwd_tc_det"):
         # K_j, V_j; Q_i, dO_i double-buffered (rows of tc_row(d)); Pᵀ, dSᵀ (padded); L, D
         return ((2 * Bc + 4 * Br) * tc_row(d) + 2 * Bc * (Br + 8)) * 2 + 4 * Br * 4

@@ -321,14 +321,24 @@ inline bool count_thread() { return threadIdx.x == 0; }
 // stored, so every count below is of the real d and dv, as the simulator's.
 // A Q tile of `rows` rows (O_i, row stride ldo, dv columns, and L_i) that sees no key
 // writes O_i = 0 and L_i = −∞ and moves nothing else; the CTA's THREADS threads share
-// the writes.
+// the writes (fwd_tile_unseen_write: THREADS threads numbered from 0 by tid, which the
+// copy-engine forward's consumers are, its producer counting).
+template <typename T>
+__device__ __forceinline__ void fwd_tile_unseen_count(unsigned long long* io, int rows, int dv) {
+    COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));   // SRAM→HBM: O_i (Br·dv)
+    COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+}
+template <typename T, int THREADS>
+__device__ __forceinline__ void fwd_tile_unseen_write(T* Oi, int ldo, float* Li, int rows, int dv,
+                                                      int tid) {
+    for (int x = tid; x < rows * dv; x += THREADS) Oi[(long long)(x / dv) * ldo + x % dv] = from_acc<T>(0.0f);
+    for (int r = tid; r < rows; r += THREADS) Li[r] = neg_inf<float>();
+}
 template <typename T, int THREADS>
 __device__ __forceinline__ void fwd_tile_unseen(T* Oi, int ldo, float* Li, int rows, int dv,
                                                 unsigned long long* io) {
-    for (int x = threadIdx.x; x < rows * dv; x += THREADS) Oi[(long long)(x / dv) * ldo + x % dv] = from_acc<T>(0.0f);
-    for (int r = threadIdx.x; r < rows; r += THREADS) Li[r] = neg_inf<float>();
-    COUNT_IO(io, IO_O_W, (long long)rows * dv * sizeof(T));   // SRAM→HBM: O_i (Br·dv)
-    COUNT_IO(io, IO_L_W, (long long)rows * 4);                // SRAM→HBM: L_i (Br)
+    fwd_tile_unseen_write<T, THREADS>(Oi, ldo, Li, rows, dv, threadIdx.x);
+    fwd_tile_unseen_count<T>(io, rows, dv);
 }
 // The traffic of the CTA of a Q tile that visits K/V tiles jlo..jhi of Bc keys, counted
 // once before the main loop, where registers are free (counts inside or after the loop

@@ -26,7 +26,11 @@
 //                        - ping-pong (FLASHSIM_WS_PINGPONG, on by default): named
 //                          barriers make the warpgroups take turns issuing their products,
 //                          so that one's softmax runs while another's products hold the
-//                          tensor cores.
+//                          tensor cores;
+//                        - without a band, one CTA per SM walking the tiles in the grid's
+//                          order (kernels.ws_forward_ctas), Q_i in two slots: the producer
+//                          loads the next tile's Q_i and first K_j, V_j while the consumers
+//                          finish this one, and the turns run on across tiles (NOTES v44).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
@@ -98,7 +102,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
               const __grid_constant__ wg::TensorMap tmV, const int* __restrict__ crd,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int ldo, int d, int dv, int left, int right, float scale_log2,
-              float k_in, float k_out, const float* __restrict__ slopes, unsigned long long* io) {
+              float k_in, float k_out, const float* __restrict__ slopes, unsigned long long* io,
+              int problems) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace ws;
     static_assert(D == 64 || D == 96 || D == 128, "head dims 64, 96 and 128");
@@ -108,40 +113,53 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address bits, so tiles start on 1024 bytes
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const unsigned sQ = base;                        // Br·D
-    const unsigned sK = sQ + TILE_Q;                 // STAGES slots of Bc·D
-    const unsigned sV = sK + STAGES * TILE_KV;       // STAGES slots of Bc·D
-    // mbarriers: Q_i full; per slot K full, K empty, V full, V empty
-    __shared__ __align__(8) unsigned long long bars[1 + 4 * STAGES];
-    const unsigned bQ = smem_addr(bars);
-    auto fullK = [&](int s) { return bQ + 8 * (1 + s); };
-    auto emptyK = [&](int s) { return bQ + 8 * (1 + STAGES + s); };
-    auto fullV = [&](int s) { return bQ + 8 * (1 + 2 * STAGES + s); };
-    auto emptyV = [&](int s) { return bQ + 8 * (1 + 3 * STAGES + s); };
+    // Q_i in two slots of Br·D where a CTA walks several tiles (the next tile's loads while
+    // O_i of this one goes out through its slot), else one; then STAGES slots of Bc·D
+    // each for K and V (kernels.ws_forward_smem). mbarriers: per Q slot full, empty; per
+    // K/V slot K full, K empty, V full, V empty
+    const int nx = (Nq + Br - 1) / Br, ntiles = nx * problems;
+    const unsigned sQ0 = base;
+    const unsigned sK = sQ0 + ((int)gridDim.x < ntiles ? 2 : 1) * TILE_Q;
+    const unsigned sV = sK + STAGES * TILE_KV;
+    __shared__ __align__(8) unsigned long long bars[4 + 4 * STAGES];
+    const unsigned b0 = smem_addr(bars);
+    auto fullQ = [&](int q) { return b0 + 8 * q; };
+    auto emptyQ = [&](int q) { return b0 + 8 * (2 + q); };
+    auto fullK = [&](int s) { return b0 + 8 * (4 + s); };
+    auto emptyK = [&](int s) { return b0 + 8 * (4 + STAGES + s); };
+    auto fullV = [&](int s) { return b0 + 8 * (4 + 2 * STAGES + s); };
+    auto emptyV = [&](int s) { return b0 + 8 * (4 + 3 * STAGES + s); };
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp >> 2;
     const int g = lane >> 2, tig = lane & 3;
-    // the last Q tiles first: under a causal mask they see the most keys
-    const int p = blockIdx.y;
-    const int i = gridDim.x - 1 - blockIdx.x, nq = Nq, nk = Nk;
-    const int i0 = i * Br, rows = min(Br, nq - i0);
-    const long long q_row = (long long)p * Nq + i0;  // of L
+    const int nq = Nq, nk = Nk;
     const Band band{left, right, nk - nq};
-    int jlo, jhi;
-    band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
+    // The tiles: tile t = x + nx·p is Q tile nx − 1 − x of problem p (the last Q tiles of a
+    // problem first: under a causal mask they see the most keys), the order in which the
+    // hardware starts the CTAs of a grid of nx × problems. CTA b runs tiles b, b + G, …
+    // (G = gridDim.x): one each where the grid covers them (banded launches, whose tiles
+    // differ in cost and are best handed to whichever SM frees first), else one CTA per
+    // SM (kernels.ws_forward_ctas), whose producer loads tile t + G's Q_i and first K_j, V_j while
+    // the consumers finish tile t
+    struct Tile { int p, i0, rows, jlo, jhi; };
+    auto tile = [&](int t) {
+        Tile x;
+        x.p = t / nx;
+        x.i0 = (nx - 1 - (t - x.p * nx)) * Br;
+        x.rows = min(Br, nq - x.i0);
+        band.kv_range(x.i0, x.i0 + x.rows, nk, Bc, &x.jlo, &x.jhi);
+        return x;
+    };
 
-    if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
-        fwd_tile_unseen<T, THREADS>(O + at_row0(at, p, AT_O) + i0 * (long long)ldo, ldo,
-                                    L + q_row, rows, dv, io);
-        return;
-    }
-    fwd_tile_count<T>(io, rows, jlo, jhi, Bc, nk, d, dv);
     if (threadIdx.x == 0) {
-        mbar_init(bQ, 1);
+        for (int q = 0; q < 2; ++q) {
+            mbar_init(fullQ(q), 1);                  // the producer's arrival, and the bytes
+            mbar_init(emptyQ(q), 4 * CONSUMERS);     // one arrival per consumer warp
+        }
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(fullK(s), 1);                  // the producer's arrival, and the bytes
+            mbar_init(fullK(s), 1);
             mbar_init(fullV(s), 1);
-            mbar_init(emptyK(s), 4 * CONSUMERS);     // one arrival per consumer warp
+            mbar_init(emptyK(s), 4 * CONSUMERS);
             mbar_init(emptyV(s), 4 * CONSUMERS);
         }
         mbar_init_fence();
@@ -152,32 +170,45 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // -- the producer: one thread walks the tiles the consumers will visit --------
         if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            // crd: per problem, the column and problem coordinates of row 0 of Q, K, V
-            const int cq = crd[6 * p], zq = crd[6 * p + 1], ck = crd[6 * p + 2], zk = crd[6 * p + 3],
-                      cv = crd[6 * p + 4], zv = crd[6 * p + 5];
-            mbar_expect_tx(bQ, TILE_Q);              // HBM→SRAM: Q_i (Br·d)
-#pragma unroll
-            for (int cb = 0; cb < D / CL::W; ++cb) tma_load_3d(sQ + cb * Br * CL::RB, &tmQ, cq + cb * CL::W, i0, zq, bQ);
-            for (int n = 0; n <= jhi - jlo; ++n) {
-                const int s = n % STAGES;
-                const unsigned ph = (n / STAGES) & 1;
-                const int j0 = (jlo + n) * Bc;
-                mbar_wait(emptyK(s), ph ^ 1);        // the slot's last K has been read
-                mbar_expect_tx(fullK(s), TILE_KV);   // HBM→SRAM: K_j (Bc·d)
-#pragma unroll
-                for (int cb = 0; cb < D / CL::W; ++cb)
-                    tma_load_3d(sK + s * TILE_KV + cb * Bc * CL::RB, &tmK, ck + cb * CL::W, j0, zk, fullK(s));
-                mbar_wait(emptyV(s), ph ^ 1);
-                mbar_expect_tx(fullV(s), TILE_KV);   // HBM→SRAM: V_j (Bc·d)
+            int n = 0, kq = 0;                       // K/V and Q fills so far
+            for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
+                const Tile x = tile(ti);
+                if (x.jhi < x.jlo) {                 // the consumers write it: no loads
+                    fwd_tile_unseen_count<T>(io, x.rows, dv);
+                    continue;
+                }
+                fwd_tile_count<T>(io, x.rows, x.jlo, x.jhi, Bc, nk, d, dv);
+                // crd: per problem, the column and problem coordinates of row 0 of Q, K, V
+                const int* c6 = crd + 6 * x.p;
+                const int cq = c6[0], zq = c6[1], ck = c6[2], zk = c6[3], cv = c6[4], zv = c6[5];
+                const int q = kq & 1;
+                mbar_wait(emptyQ(q), ((kq >> 1) & 1) ^ 1);   // O_i of its last tile is out
+                mbar_expect_tx(fullQ(q), TILE_Q);    // HBM→SRAM: Q_i (Br·d)
 #pragma unroll
                 for (int cb = 0; cb < D / CL::W; ++cb)
-                    tma_load_3d(sV + s * TILE_KV + cb * Bc * CL::RB, &tmV, cv + cb * CL::W, j0, zv, fullV(s));
+                    tma_load_3d(sQ0 + q * TILE_Q + cb * Br * CL::RB, &tmQ, cq + cb * CL::W, x.i0, zq, fullQ(q));
+                ++kq;
+                for (int j = x.jlo; j <= x.jhi; ++j, ++n) {
+                    const int s = n % STAGES;
+                    const unsigned ph = (n / STAGES) & 1;
+                    const int j0 = j * Bc;
+                    mbar_wait(emptyK(s), ph ^ 1);    // the slot's last K has been read
+                    mbar_expect_tx(fullK(s), TILE_KV);   // HBM→SRAM: K_j (Bc·d)
+#pragma unroll
+                    for (int cb = 0; cb < D / CL::W; ++cb)
+                        tma_load_3d(sK + s * TILE_KV + cb * Bc * CL::RB, &tmK, ck + cb * CL::W, j0, zk, fullK(s));
+                    mbar_wait(emptyV(s), ph ^ 1);
+                    mbar_expect_tx(fullV(s), TILE_KV);   // HBM→SRAM: V_j (Bc·d)
+#pragma unroll
+                    for (int cb = 0; cb < D / CL::W; ++cb)
+                        tma_load_3d(sV + s * TILE_KV + cb * Bc * CL::RB, &tmV, cv + cb * CL::W, j0, zv, fullV(s));
+                }
             }
         }
         return;
     }
 
-    // -- the consumers: warpgroup cw owns query rows 64·cw … 64·cw + 63 of the tile ----
+    // -- the consumers: warpgroup cw owns query rows 64·cw … 64·cw + 63 of each tile ---
     if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_inc<consumer_regs<D>()>();
     const int cw = grp - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
@@ -185,123 +216,151 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
-    float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max (log2 domain), rows g, g + 8
-    float l0 = 0.f, l1 = 0.f;                        // partial row sums of this thread
-#pragma unroll
-    for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
-    const int r0 = cw * 64 + (warp & 3) * 16 + g;    // this thread's rows r0, r0 + 8 in the tile
+    const int r0 = cw * 64 + (warp & 3) * 16 + g;    // this thread's rows r0, r0 + 8 in a tile
 
     // ping-pong: the warpgroups take turns issuing their products, in order 0, 1, …: cw
     // waits at barrier 1 + cw before issuing and, once they are issued, lets the next one
     // go (barrier 1 + next); each barrier counts the waiting warpgroup's 128 threads and
-    // the previous one's 128 arrivals
+    // the previous one's 128 arrivals. The turns run on from one tile to the next.
     const int next = cw + 1 == CONSUMERS ? 0 : cw + 1;
     auto turn_wait = [&]() { if (FLASHSIM_WS_PINGPONG) named_sync(1 + cw, 256); };
     auto turn_pass = [&]() { if (FLASHSIM_WS_PINGPONG) named_arrive(1 + next, 256); };
     // a warp's share of freeing a slot, once its products have read it
     auto release = [&](unsigned bar) { if (lane == 0) mbar_arrive(bar); };
-
-    // S = Q_i K_jᵀ from K slot kb: D/16 instructions of 64 × Bc × 16, one group
-    auto issue_s = [&](unsigned kb) {
-        const unsigned long long dq = desc(sQ + cw * 64 * CL::RB, 16, CL::SBO, CL::MODE),
-                                 dk = desc(kb, 16, CL::SBO, CL::MODE);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned blk = kk / CL::KSTEPS;    // the column block, and 16 columns =
-            const unsigned step = (kk % CL::KSTEPS) << 5;   // 32 bytes into it per k-step
-            Wgmma<T, Bc>::ss(s, desc_plus(dq, blk * (Br * CL::RB) + step), desc_plus(dk, blk * (Bc * CL::RB) + step), kk > 0);
-        }
-        wgmma_commit();
-    };
-    // O_i += P V_j from V slot vb: Bc/16 instructions of 64 × D × 16, one group
-    auto issue_pv = [&](unsigned vb) {
-        const unsigned long long dv = desc(vb, Bc * CL::RB, CL::SBO, CL::MODE);
-#pragma unroll
-        for (int kk = 0; kk < Bc / 16; ++kk) Wgmma<T, D>::rs(o, pf[kk], desc_plus(dv, kk * 16 * CL::RB));
-        wgmma_commit();
-    };
-    // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
-    auto softmax = [&](int j, float& a0, float& a1) {
-        wg_softmax<Bc, Br, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
-                                sl2, k_in, k_out, VAR && slopes != nullptr ? slopes[p] : 0.f);
-    };
-    auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
-
-    // Step n (tile j = jlo + n, slot n % STAGES, that slot's fill n / STAGES, whose parity
-    // the waits name): S_j and P_{j−1} V_{j−1} issued together; K's slot freed once S_j is
-    // done, V's once the second product is
     if (FLASHSIM_WS_PINGPONG && next == 0) named_arrive(1, 256);   // warpgroup 0 goes first
-    mbar_wait(bQ, 0);
-    mbar_wait(fullK(0), 0);
-    turn_wait();
-    wgmma_fence();
-    issue_s(sK);
-    turn_pass();
-    wgmma_wait<0>();
-    fence_regs<Bc / 2>(s);
-    release(emptyK(0));
-    {
-        float b0, b1;                                // O_i is still 0: nothing to scale
-        softmax(jlo, b0, b1);
-    }
-    pack_p();
 
-    // O's rescale by the α of tile j − 1 (a0, a1): FLASHSIM_WS_RESCALE_LATE = 0 does it
-    // once S_j is issued, while the tensor cores run that product, and before P_{j−1} V_{j−1}
-    // is issued (the same operations in the same order: the same bits); 1, at the end of
-    // the step, on the path from the softmax to the next issue
-    float a0 = 1.f, a1 = 1.f;
-    auto rescale = [&]() {
-#pragma unroll
-        for (int t = 0; t < D / 8; ++t) {
-            o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+    int nb = 0, kq = 0;                              // K/V and Q fills before this tile
+    for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
+        const Tile tl = tile(ti);
+        const int p = tl.p, i0 = tl.i0, rows = tl.rows, jlo = tl.jlo, jhi = tl.jhi;
+        const long long q_row = (long long)p * Nq + i0;   // of L
+        T* Oi = O + at_row0(at, p, AT_O) + i0 * (long long)ldo;
+        if (jhi < jlo) {                             // no key visible: O_i = 0, L_i = −∞
+            fwd_tile_unseen_write<T, THREADS - 128>(Oi, ldo, L + q_row, rows, dv, threadIdx.x - 128);
+            continue;
         }
-    };
-    for (int j = jlo + 1; j <= jhi; ++j) {
-        const int n = j - jlo, sn = n % STAGES, sp = (n - 1) % STAGES;
-        mbar_wait(fullK(sn), (n / STAGES) & 1);
-        mbar_wait(fullV(sp), ((n - 1) / STAGES) & 1);
-        fence_regs<Bc / 2>(s);
-        fence_regs<D / 2>(o);
+        const unsigned sQ = sQ0 + (kq & 1) * TILE_Q;
+        float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max (log2 domain), rows g, g + 8
+        float l0 = 0.f, l1 = 0.f;                    // partial row sums of this thread
+#pragma unroll
+        for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
+
+        // S = Q_i K_jᵀ from K slot kb: D/16 instructions of 64 × Bc × 16, one group
+        auto issue_s = [&](unsigned kb) {
+            const unsigned long long dq = desc(sQ + cw * 64 * CL::RB, 16, CL::SBO, CL::MODE),
+                                     dk = desc(kb, 16, CL::SBO, CL::MODE);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const unsigned blk = kk / CL::KSTEPS;    // the column block, and 16 columns =
+                const unsigned step = (kk % CL::KSTEPS) << 5;   // 32 bytes into it per k-step
+                Wgmma<T, Bc>::ss(s, desc_plus(dq, blk * (Br * CL::RB) + step), desc_plus(dk, blk * (Bc * CL::RB) + step), kk > 0);
+            }
+            wgmma_commit();
+        };
+        // O_i += P V_j from V slot vb: Bc/16 instructions of 64 × D × 16, one group
+        auto issue_pv = [&](unsigned vb) {
+            const unsigned long long dv = desc(vb, Bc * CL::RB, CL::SBO, CL::MODE);
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk) Wgmma<T, D>::rs(o, pf[kk], desc_plus(dv, kk * 16 * CL::RB));
+            wgmma_commit();
+        };
+        // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
+        auto softmax = [&](int j, float& a0, float& a1) {
+            wg_softmax<Bc, Br, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
+                                    sl2, k_in, k_out, VAR && slopes != nullptr ? slopes[p] : 0.f);
+        };
+        auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
+
+        // Step n (tile j = jlo + n, the CTA's fill nb + n of the K/V slots: slot
+        // (nb + n) % STAGES, whose parity the waits name): S_j and P_{j−1} V_{j−1} issued
+        // together; K's slot freed once S_j is done, V's once the second product is. (ptxas
+        // places the wait for the second product above the softmax: NOTES v43.)
+        auto slot = [&](int j) { return (nb + j - jlo) % STAGES; };
+        auto parity = [&](int j) { return (unsigned)((nb + j - jlo) / STAGES) & 1; };
+        mbar_wait(fullQ(kq & 1), (kq >> 1) & 1);
+        mbar_wait(fullK(slot(jlo)), parity(jlo));
         turn_wait();
         wgmma_fence();
-        issue_s(sK + sn * TILE_KV);
-        if (!FLASHSIM_WS_RESCALE_LATE && j > jlo + 1) {   // (the first step's O is still 0)
-            rescale();
-            fence_regs<D / 2>(o);
-            wgmma_fence();                           // O's registers, written above, read by the product
-        }
-        issue_pv(sV + sp * TILE_KV);
+        issue_s(sK + slot(jlo) * TILE_KV);
         turn_pass();
-        wgmma_wait<1>();                             // S_j is done, P_{j−1} V_{j−1} may run on
+        wgmma_wait<0>();
         fence_regs<Bc / 2>(s);
-        release(emptyK(sn));
-        softmax(j, a0, a1);
-        wgmma_wait<0>();
-        fence_regs<D / 2>(o);
-        release(emptyV(sp));
-#pragma unroll
-        for (int kk = 0; kk < Bc / 16; ++kk)         // the product has read P_{j−1}: only now
-            asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
-        if (FLASHSIM_WS_RESCALE_LATE) rescale();
+        release(emptyK(slot(jlo)));
+        {
+            float b0, b1;                            // O_i is still 0: nothing to scale
+            softmax(jlo, b0, b1);
+        }
         pack_p();
-    }
-    {
-        const int n = jhi - jlo;
-        mbar_wait(fullV(n % STAGES), (n / STAGES) & 1);
-        if (!FLASHSIM_WS_RESCALE_LATE && jhi > jlo) rescale();
-        fence_regs<D / 2>(o);
-        turn_wait();
-        wgmma_fence();
-        issue_pv(sV + (n % STAGES) * TILE_KV);
-        if (next != 0) turn_pass();                  // the last turn: warpgroup 0 waits for none
-        wgmma_wait<0>();
-        fence_regs<D / 2>(o);
-    }
 
-    // finish: reduce ℓ over the quad, divide once, write O_i and L_i
-    T* Oi = O + at_row0(at, p, AT_O) + i0 * (long long)ldo;
-    wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
+        // O's rescale by the α of tile j − 1 (a0, a1): FLASHSIM_WS_RESCALE_LATE = 0 does it
+        // once S_j is issued, while the tensor cores run that product, and before
+        // P_{j−1} V_{j−1} is issued (the same operations in the same order: the same bits);
+        // 1, at the end of the step, on the path from the softmax to the next issue
+        float a0 = 1.f, a1 = 1.f;
+        auto rescale = [&]() {
+#pragma unroll
+            for (int t = 0; t < D / 8; ++t) {
+                o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+            }
+        };
+        for (int j = jlo + 1; j <= jhi; ++j) {
+            const int sn = slot(j), sp = slot(j - 1);
+            mbar_wait(fullK(sn), parity(j));
+            mbar_wait(fullV(sp), parity(j - 1));
+            fence_regs<Bc / 2>(s);
+            fence_regs<D / 2>(o);
+            turn_wait();
+            wgmma_fence();
+            issue_s(sK + sn * TILE_KV);
+            if (!FLASHSIM_WS_RESCALE_LATE && j > jlo + 1) {   // (the first step's O is still 0)
+                rescale();
+                fence_regs<D / 2>(o);
+                wgmma_fence();                       // O's registers, written above, read by the product
+            }
+            issue_pv(sV + sp * TILE_KV);
+            turn_pass();
+            wgmma_wait<1>();                         // S_j is done, P_{j−1} V_{j−1} may run on
+            fence_regs<Bc / 2>(s);
+            release(emptyK(sn));
+            softmax(j, a0, a1);
+            wgmma_wait<0>();
+            fence_regs<D / 2>(o);
+            release(emptyV(sp));
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk)     // the product has read P_{j−1}: only now
+                asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+            if (FLASHSIM_WS_RESCALE_LATE) rescale();
+            pack_p();
+        }
+        // the CTA's last turn (no seen tile after this one): the last warpgroup passes to
+        // none, so that no arrival is left on a barrier at the end
+        bool more = false;
+        for (int u = ti + gridDim.x; u < ntiles && !more; u += gridDim.x) {
+            const Tile y = tile(u);
+            more = y.jlo <= y.jhi;
+        }
+        {
+            const int sl = slot(jhi);
+            mbar_wait(fullV(sl), parity(jhi));
+            if (!FLASHSIM_WS_RESCALE_LATE && jhi > jlo) rescale();
+            fence_regs<D / 2>(o);
+            turn_wait();
+            wgmma_fence();
+            issue_pv(sV + sl * TILE_KV);
+            if (next != 0 || more) turn_pass();
+            wgmma_wait<0>();
+            fence_regs<D / 2>(o);
+            release(emptyV(sl));
+        }
+
+        // finish: reduce ℓ over the quad, divide once, write O_i and L_i (through Q_i's
+        // slot, whose products are done), then free the slot for the producer
+        wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
+        __syncwarp();
+        release(emptyQ(kq & 1));
+        nb += jhi - jlo + 1;
+        ++kq;
+    }
 #else
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();

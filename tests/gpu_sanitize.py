@@ -108,6 +108,7 @@ def main(n_cases: int = 8) -> int:
     launches += varlen(rng, n_cases, dtypes)
     launches += paper_algorithms(rng, n_cases, dtypes)
     launches += strided()
+    launches += walking(rng, [d for d in dtypes if d in ("float16", "bfloat16")])
     import cupy as cp
     cp.cuda.Device().synchronize()
     print(f"{launches} kernel launches ({n_cases} shapes × {len(dtypes)} dtypes × 2 masks × "
@@ -142,6 +143,29 @@ def varlen(rng, n_cases, dtypes):
                 launches += 4
     return launches + varlen_fast(rng, n_cases, [t for t in dtypes
                                                  if t in ("float16", "bfloat16")])
+
+
+def walking(rng, dtypes):
+    """The copy-engine forward's CTAs walking several tiles each (one CTA per SM without a
+    band; 3 SMs pretended, so that 2 × 3 problems of 130 queries put up to 6 tiles in a
+    CTA): plain and softcap, both builds, d = 64 and 128. Elsewhere, none."""
+    if fs.gpu._device.cc(0) != 90:
+        return 0
+    import flashsim.gpu.flash2 as f2
+    real, f2._PLANS = fs.gpu._device.num_sms, {}
+    fs.gpu._device.num_sms = lambda device: 3
+    launches = 0
+    try:
+        for dtype in dtypes:
+            for d in (64, 128):
+                q, k, v = (dev(rng.standard_normal((2, 3, n, d)), dtype) for n in (130, 200, 200))
+                for var in ({}, {"softcap": 10.0}):
+                    for count_io in (False, True):
+                        fs.gpu.attention(q, k, v, count_io=count_io, **var)
+                        launches += 1
+    finally:
+        fs.gpu._device.num_sms, f2._PLANS = real, {}
+    return launches
 
 
 def strided():

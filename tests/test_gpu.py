@@ -649,6 +649,62 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d,kw", [
+    (d, kw) for d in (64, 128)
+    for kw in (dict(), dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125]),
+               dict(causal=True), dict(window=(40, 200)))
+    if fs.kernels.ws_runs(d, d, d, variant="softcap" in kw or "alibi_slopes" in kw)])
+def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
+    """Without a band, flash2_fwd_ws runs one CTA per SM, each walking tiles b, b + CTAs, …
+    (kernels.ws_forward_ctas): with 5 SMs pretended, 2 × 3 problems of 333 queries and GQA
+    put up to 4 ragged tiles in a CTA, whose Q slots, K/V ring, turns and epilogue carry
+    from tile to tile; O and L are the per-tile kernel's bits (flash2_fwd_wg's), the counted
+    bytes equal, through the general path and PyTorch's fast path. Under a band (causal, a
+    window) every tile keeps its own CTA."""
+    import cupy as cp
+    from flashsim.gpu import flash2, _device
+    grids = []
+    real = flash2._TmaLaunch.__call__
+    monkeypatch.setattr(flash2._TmaLaunch, "__call__",
+                        lambda self, *a, **k: (grids.append(self.grid), real(self, *a, **k))[1])
+    monkeypatch.setattr(_device, "num_sms", lambda device: 5)
+    monkeypatch.setattr(flash2, "_PLANS", {})
+    rng = np.random.default_rng(d + len(kw))
+    q = rng.standard_normal((2, 3, 333, d)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 1, 517, d)).astype(np.float16) for _ in range(2))
+    q[..., :2, :] *= 8                                   # outliers
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    ws = fs.gpu.attention(qd, kd, vd, **kw)
+    ws_io = fs.gpu.attention(qd, kd, vd, count_io=True, **kw)
+    Br = fs.kernels.WS_BLOCKS[d][0]
+    tiles = 6 * -(-333 // Br)
+    banded = "causal" in kw or "window" in kw
+    assert grids == [(tiles if banded else 5, 1)] * 2
+    monkeypatch.setenv("FLASHSIM_TMA", "0")
+    wg = fs.gpu.attention(qd, kd, vd, **kw)
+    wg_io = fs.gpu.attention(qd, kd, vd, count_io=True, **kw)
+    if fs.kernels.WS_BLOCKS[d] == fs.kernels.WG_BLOCKS[d]:   # the same tiles: the same bits
+        for a, b in zip(ws + ws_io[:2], wg + wg_io[:2]):
+            assert np.array_equal(host(a), host(b))
+        assert ws_io[2] == wg_io[2]
+    else:                                                # d = 64: tiles of their own
+        sim = fs.simulate(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                          "flash2", block_sizes=fs.kernels.WS_BLOCKS[d], io_dtype="float16",
+                          **{key: (np.asarray(x) if key == "alibi_slopes" else x)
+                             for key, x in kw.items()})
+        assert ws_io[2] == sim.traffic, ws_io[2].diff(sim.traffic)
+        assert np.abs(host(ws[0]) - sim.out).max() <= 1e-2 * np.abs(sim.out).max()
+        assert np.array_equal(host(ws[0]), host(ws_io[0]))
+    if HAVE_TORCH and not kw:
+        tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+        monkeypatch.setenv("FLASHSIM_TMA", "1")
+        fast, fast_lse = fs.gpu.attention(tq, tk, tv)
+        assert grids[-1] == (5, 1)
+        assert np.array_equal(host(fast), host(ws[0])) and np.array_equal(host(fast_lse), host(ws[1]))
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("d", [64, 96])
 def test_the_tma_forward_at_other_head_dims(monkeypatch, d):
     """flash2_fwd_ws at d = 64 (its own 128 × 128 tiles, where flash2_fwd_wg takes 128 × 64)

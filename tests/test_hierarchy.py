@@ -302,6 +302,13 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
                                  r"blockIdx\.x", body), "the TMA backward's j mapping moved"
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
+            if name == "flash2_fwd_ws":   # tiles t = x + nx·p, from blockIdx.x in steps of
+                # gridDim.x, Q tile nx − 1 − x: the (reversed) order of a grid of nx × problems
+                assert re.search(r"x\.i0 = \(nx - 1 - \(t - x\.p \* nx\)\) \* Br", body)
+                assert len(re.findall(r"for \(int ti = blockIdx\.x; ti < ntiles; "
+                                      r"ti \+= gridDim\.x\)", body)) == 2, "the TMA forward's walk moved"
+                assert spec.order == "reversed"
+                continue
             m = re.search(r"__global__ void[^;{]*?\b" + name + r"\(", body)
             assert m, name
             after = body[m.end():m.end() + 4000]

@@ -270,6 +270,12 @@ def cc(device: int) -> int:
     return int(cupy().cuda.Device(device).compute_capability)
 
 
+@functools.lru_cache(maxsize=None)
+def num_sms(device: int) -> int:
+    """The device's multiprocessors."""
+    return int(cupy().cuda.Device(device).attributes["MultiProcessorCount"])
+
+
 def cc_major(device: int) -> int:
     return cc(device) // 10
 

@@ -608,17 +608,26 @@ class _TmaLaunch:
 
 
 class _WsForward(_TmaLaunch):
-    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides."""
+    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides: its CTAs one per
+    Q tile under a band, else one per SM (kernels.ws_forward_ctas), and their shared
+    memory (kernels.ws_forward_smem), set with the band."""
 
     # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, d, dv, left, right | scale·log2e, k_in,
-    # k_out | slopes, io
-    def __init__(self, kernel, grid, smem: int, crd, geoms, Br: int, Bc: int, D: int):
-        super().__init__(kernel, "flash2_fwd_ws", grid, K.ws_threads(D), smem, geoms,
-                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQ", crd)
+    # k_out | slopes, io | problems
+    def __init__(self, kernel, tiles, smem: int, crd, geoms, Br: int, Bc: int, D: int,
+                 problems: int, sms: int):
+        super().__init__(kernel, "flash2_fwd_ws", (tiles, 1), K.ws_threads(D), smem, geoms,
+                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQi", crd)
         self.args[0].value = crd.data.ptr
+        self.args[-1].value = problems
+        self.tiles, self.sms, self.Br, self.Bc, self.D = tiles, sms, Br, Bc, D
 
     def set_tail(self, Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io):
         self.set((Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io), 4)
+        banded = left >= 0 or right >= 0
+        ctas = K.ws_forward_ctas(self.tiles, self.sms, banded)
+        self.grid = (ctas, 1)
+        self.smem = K.ws_forward_smem(self.Br, self.Bc, self.D, walking=ctas < self.tiles)
 
     def __call__(self, stream: int, q: int, k: int, v: int, at: int, O: int, L: int,
                  tail=None):
@@ -697,9 +706,9 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
         return None
     name = "flash2_fwd_ws"
     smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
-    return _WsForward(dev.kernel(name, dtype, count_io, D, var),
-                      K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems), smem, crd,
-                      geoms, Br, Bc, D)
+    nx, P = K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems)
+    return _WsForward(dev.kernel(name, dtype, count_io, D, var), nx * P, smem, crd, geoms,
+                      Br, Bc, D, P, dev.num_sms(cp.cuda.Device().id))
 
 
 class _Plan:
