@@ -12,8 +12,9 @@ backward (the instrumented one in the deterministic mode, whose tiles take turns
 into dQ); every rung with a window, softcap and ALiBi; and the decoding kernels
 (kernels_cu/splitkv_tc.cu, the parts merged through memory and in clusters), packed
 varlen batches (every rung), FlashAttention-1, standard attention and square tiles
-(flash1_ref.cu, standard_ref.cu, square_ref.cu), and inputs read through their strides
-(slices of a fused QKV, dense and packed).
+(flash1_ref.cu, standard_ref.cu, square_ref.cu), inputs read through their strides
+(slices of a fused QKV, dense and packed), and on sm_90 the copy-engine forward's CTAs
+walking several tiles each.
 """
 
 import sys
