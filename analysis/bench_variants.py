@@ -38,22 +38,27 @@ def record(call):
     (flash2_fwd_ws and flash2_bwd_ws launch through their own parameter arrays, and
     re-encode their tensor maps per call from a cache)."""
     dev = fs.gpu._device
-    ws = fs.gpu.flash2._TmaLaunch
+    tma, wsf = fs.gpu.flash2._TmaLaunch, fs.gpu.flash2._WsForward
     launches = []
-    real, real_ws = dev.launch, ws.__call__
+    real, real_tma, real_wsf = dev.launch, tma.__call__, wsf.__call__
 
     def spy(cp, kernel, grid, smem, args, threads=dev.THREADS):
         launches.append(("cupy", (kernel, grid, threads, args, smem)))
         return real(cp, kernel, grid, smem, args, threads)
 
-    def spy_ws(self, *args, **kw):
-        launches.append(("ws", (self, args, kw)))
-        return real_ws(self, *args, **kw)
-    dev.launch, ws.__call__ = spy, spy_ws
+    def spy_tma(self, *args, **kw):     # (the forward's are recorded whole, below)
+        if not isinstance(self, wsf):
+            launches.append(("ws", (real_tma, self, args, kw)))
+        return real_tma(self, *args, **kw)
+
+    def spy_wsf(self, *args, **kw):     # with its tile counter, zeroed again per replay
+        launches.append(("ws", (real_wsf, self, args, kw)))
+        return real_wsf(self, *args, **kw)
+    dev.launch, tma.__call__, wsf.__call__ = spy, spy_tma, spy_wsf
     try:
         call()
     finally:
-        dev.launch, ws.__call__ = real, real_ws
+        dev.launch, tma.__call__, wsf.__call__ = real, real_tma, real_wsf
     for how, launch in launches:
         if how == "cupy" and launch[4] > 48 * 1024:
             launch[0].max_dynamic_shared_size_bytes = launch[4]
@@ -61,8 +66,8 @@ def record(call):
     def replay():
         for how, launch in launches:
             if how == "ws":
-                self, args, kw = launch
-                real_ws(self, *args, **kw)
+                fn, self, args, kw = launch
+                fn(self, *args, **kw)
             else:
                 kernel, grid, threads, args, smem = launch
                 kernel(tuple(grid), (threads,), args, shared_mem=smem)

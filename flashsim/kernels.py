@@ -383,13 +383,13 @@ def ws_forward_smem(Br: int, Bc: int, d: int, walking: bool) -> int:
     return ((2 if walking else 1) * Br * d + 2 * WS_STAGES * Bc * d) * 2 + 1024
 
 
-def ws_forward_ctas(tiles: int, sms: int, banded: bool) -> int:
+def ws_forward_ctas(tiles: int, sms: int) -> int:
     """CTAs of a flash2_fwd_ws launch over ``tiles`` Q tiles (grid(…)'s x·y, in its
-    order): one per tile under a band (causal, a window), whose tiles differ in cost and
-    are best handed to whichever SM frees first; else one per SM (the kernel takes one
-    CTA an SM), each walking tiles b, b + CTAs, …, so that its producer loads the next
-    tile's Q_i and first K_j, V_j while the consumers finish the last (NOTES v44)."""
-    return tiles if banded else min(tiles, sms)
+    order): one per SM (the kernel takes one CTA an SM), each walking tiles, so that its
+    producer loads the next tile's Q_i and first K_j, V_j while the consumers finish the
+    last: b, b + CTAs, … without a band (tiles of equal cost; NOTES v44), else whichever
+    tile a counter hands out next as a CTA frees, heaviest first (NOTES v45)."""
+    return min(tiles, sms)
 
 
 def threads(kernel: str, d: int, cc: int) -> int:

@@ -27,10 +27,11 @@
 //                          barriers make the warpgroups take turns issuing their products,
 //                          so that one's softmax runs while another's products hold the
 //                          tensor cores;
-//                        - without a band, one CTA per SM walking the tiles in the grid's
-//                          order (kernels.ws_forward_ctas), Q_i in two slots: the producer
-//                          loads the next tile's Q_i and first K_j, V_j while the consumers
-//                          finish this one, and the turns run on across tiles (NOTES v44).
+//                        - one CTA per SM walking the tiles (kernels.ws_forward_ctas), Q_i
+//                          in two slots: the producer loads the next tile's Q_i and first
+//                          K_j, V_j while the consumers finish this one, and the turns run
+//                          on across tiles; in the grid's order without a band (NOTES
+//                          v44), from a tile counter under one, heaviest first (v45).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
@@ -103,7 +104,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int ldo, int d, int dv, int left, int right, float scale_log2,
               float k_in, float k_out, const float* __restrict__ slopes, unsigned long long* io,
-              int problems) {
+              int problems, unsigned* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace ws;
     static_assert(D == 64 || D == 96 || D == 128, "head dims 64, 96 and 128");
@@ -122,6 +123,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const unsigned sK = sQ0 + ((int)gridDim.x < ntiles ? 2 : 1) * TILE_Q;
     const unsigned sV = sK + STAGES * TILE_KV;
     __shared__ __align__(8) unsigned long long bars[4 + 4 * STAGES];
+    __shared__ int tile_in[2];                       // the tile whose Q_i slot q holds
     const unsigned b0 = smem_addr(bars);
     auto fullQ = [&](int q) { return b0 + 8 * q; };
     auto emptyQ = [&](int q) { return b0 + 8 * (2 + q); };
@@ -136,11 +138,13 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const Band band{left, right, nk - nq};
     // The tiles: tile t = x + nx·p is Q tile nx − 1 − x of problem p (the last Q tiles of a
     // problem first: under a causal mask they see the most keys), the order in which the
-    // hardware starts the CTAs of a grid of nx × problems. CTA b runs tiles b, b + G, …
-    // (G = gridDim.x): one each where the grid covers them (banded launches, whose tiles
-    // differ in cost and are best handed to whichever SM frees first), else one CTA per
-    // SM (kernels.ws_forward_ctas), whose producer loads tile t + G's Q_i and first K_j, V_j while
-    // the consumers finish tile t
+    // hardware starts the CTAs of a grid of nx × problems. CTA b runs tile b first, then
+    // (G = gridDim.x, one CTA per SM: kernels.ws_forward_ctas) tiles b + G, b + 2G, …
+    // without a counter (tiles of equal cost), or, under a band, G + the tickets it draws
+    // from tile_counter (zeroed before the launch), so that whichever CTA frees first
+    // takes the next tile, heaviest first. Its producer draws and loads tile t + 1's Q_i
+    // and first K_j, V_j while the consumers finish tile t, and tells them the tile
+    // through Q_i's slot (tile_in; a tile ≥ ntiles: no more)
     struct Tile { int p, i0, rows, jlo, jhi; };
     auto tile = [&](int t) {
         Tile x;
@@ -170,24 +174,34 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // -- the producer: one thread walks the tiles the consumers will visit --------
         if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            int n = 0, kq = 0;                       // K/V and Q fills so far
-            for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
+            int n = 0;                               // K/V fills so far
+            for (int kq = 0;; ++kq) {                // kq: Q fills so far
+                const int q = kq & 1;
+                mbar_wait(emptyQ(q), ((kq >> 1) & 1) ^ 1);   // O_i of its last tile is out
+                // drawn once the last tile's loads are issued: as late as the next Q_i
+                // may still arrive before the consumers need it
+                const int ti = kq == 0 ? (int)blockIdx.x
+                             : tile_counter ? (int)gridDim.x + (int)atomicAdd(tile_counter, 1u)
+                                            : (int)blockIdx.x + kq * (int)gridDim.x;
+                tile_in[q] = ti;                     // published by the arrival below
+                if (ti >= ntiles) {                  // no more: the consumers stop here
+                    mbar_arrive(fullQ(q));
+                    break;
+                }
                 const Tile x = tile(ti);
                 if (x.jhi < x.jlo) {                 // the consumers write it: no loads
                     fwd_tile_unseen_count<T>(io, x.rows, dv);
+                    mbar_arrive(fullQ(q));
                     continue;
                 }
                 fwd_tile_count<T>(io, x.rows, x.jlo, x.jhi, Bc, nk, d, dv);
                 // crd: per problem, the column and problem coordinates of row 0 of Q, K, V
                 const int* c6 = crd + 6 * x.p;
                 const int cq = c6[0], zq = c6[1], ck = c6[2], zk = c6[3], cv = c6[4], zv = c6[5];
-                const int q = kq & 1;
-                mbar_wait(emptyQ(q), ((kq >> 1) & 1) ^ 1);   // O_i of its last tile is out
                 mbar_expect_tx(fullQ(q), TILE_Q);    // HBM→SRAM: Q_i (Br·d)
 #pragma unroll
                 for (int cb = 0; cb < D / CL::W; ++cb)
                     tma_load_3d(sQ0 + q * TILE_Q + cb * Br * CL::RB, &tmQ, cq + cb * CL::W, x.i0, zq, fullQ(q));
-                ++kq;
                 for (int j = x.jlo; j <= x.jhi; ++j, ++n) {
                     const int s = n % STAGES;
                     const unsigned ph = (n / STAGES) & 1;
@@ -229,14 +243,28 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     auto release = [&](unsigned bar) { if (lane == 0) mbar_arrive(bar); };
     if (FLASHSIM_WS_PINGPONG && next == 0) named_arrive(1, 256);   // warpgroup 0 goes first
 
-    int nb = 0, kq = 0;                              // K/V and Q fills before this tile
-    for (int ti = blockIdx.x; ti < ntiles; ti += gridDim.x) {
+    int nb = 0;                                      // K/V fills before this tile
+    for (int kq = 0;; ++kq) {                        // kq: Q fills before this tile
+        // the tile: from the producer under a counter (its Q_i's arrival publishes it), else
+        // known here, and its Q_i waited for only before the first product
+        // (read by the lane that frees the slot, which makes the read ordered before the
+        // producer's next write there, and passed to the warp)
+        int ti = (int)blockIdx.x + kq * (int)gridDim.x;
+        if (tile_counter) {
+            mbar_wait(fullQ(kq & 1), (kq >> 1) & 1);
+            if (lane == 0) ti = *(volatile int*)&tile_in[kq & 1];
+            ti = __shfl_sync(0xffffffffu, ti, 0);
+        }
+        if (ti >= ntiles) break;
         const Tile tl = tile(ti);
         const int p = tl.p, i0 = tl.i0, rows = tl.rows, jlo = tl.jlo, jhi = tl.jhi;
         const long long q_row = (long long)p * Nq + i0;   // of L
         T* Oi = O + at_row0(at, p, AT_O) + i0 * (long long)ldo;
         if (jhi < jlo) {                             // no key visible: O_i = 0, L_i = −∞
             fwd_tile_unseen_write<T, THREADS - 128>(Oi, ldo, L + q_row, rows, dv, threadIdx.x - 128);
+            mbar_wait(fullQ(kq & 1), (kq >> 1) & 1); // (the producer's arrival, no Q_i)
+            __syncwarp();
+            release(emptyQ(kq & 1));
             continue;
         }
         const unsigned sQ = sQ0 + (kq & 1) * TILE_Q;
@@ -332,13 +360,6 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             if (FLASHSIM_WS_RESCALE_LATE) rescale();
             pack_p();
         }
-        // the CTA's last turn (no seen tile after this one): the last warpgroup passes to
-        // none, so that no arrival is left on a barrier at the end
-        bool more = false;
-        for (int u = ti + gridDim.x; u < ntiles && !more; u += gridDim.x) {
-            const Tile y = tile(u);
-            more = y.jlo <= y.jhi;
-        }
         {
             const int sl = slot(jhi);
             mbar_wait(fullV(sl), parity(jhi));
@@ -347,7 +368,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             turn_wait();
             wgmma_fence();
             issue_pv(sV + sl * TILE_KV);
-            if (next != 0 || more) turn_pass();
+            turn_pass();
             wgmma_wait<0>();
             fence_regs<D / 2>(o);
             release(emptyV(sl));
@@ -359,8 +380,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         __syncwarp();
         release(emptyQ(kq & 1));
         nb += jhi - jlo + 1;
-        ++kq;
     }
+    // the last warpgroup's last pass (or, with no tile seen, the first arrival) is
+    // taken, so that no arrival is left on a barrier at the end
+    if (cw == 0) turn_wait();
 #else
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();

@@ -147,9 +147,10 @@ def varlen(rng, n_cases, dtypes):
 
 
 def walking(rng, dtypes):
-    """The copy-engine forward's CTAs walking several tiles each (one CTA per SM without a
-    band; 3 SMs pretended, so that 2 × 3 problems of 130 queries put up to 6 tiles in a
-    CTA): plain and softcap, both builds, d = 64 and 128. Elsewhere, none."""
+    """The copy-engine forward's CTAs walking several tiles each (one CTA per SM; 3 SMs
+    pretended, so that 2 × 3 problems of 130 queries put up to 6 tiles in a CTA, in a
+    fixed order or, under a band, from the tile counter): plain, softcap, causal and a
+    window, both builds, d = 64 and 128. Elsewhere, none."""
     if fs.gpu._device.cc(0) != 90:
         return 0
     import flashsim.gpu.flash2 as f2
@@ -160,7 +161,7 @@ def walking(rng, dtypes):
         for dtype in dtypes:
             for d in (64, 128):
                 q, k, v = (dev(rng.standard_normal((2, 3, n, d)), dtype) for n in (130, 200, 200))
-                for var in ({}, {"softcap": 10.0}):
+                for var in ({}, {"softcap": 10.0}, {"causal": True}, {"window": (50, 20)}):
                     for count_io in (False, True):
                         fs.gpu.attention(q, k, v, count_io=count_io, **var)
                         launches += 1

@@ -303,10 +303,13 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
             if name == "flash2_fwd_ws":   # tiles t = x + nx·p, from blockIdx.x in steps of
-                # gridDim.x, Q tile nx − 1 − x: the (reversed) order of a grid of nx × problems
+                # gridDim.x (under a band, then from a counter), Q tile nx − 1 − x: the
+                # (reversed) order of a grid of nx × problems
                 assert re.search(r"x\.i0 = \(nx - 1 - \(t - x\.p \* nx\)\) \* Br", body)
-                assert len(re.findall(r"for \(int ti = blockIdx\.x; ti < ntiles; "
-                                      r"ti \+= gridDim\.x\)", body)) == 2, "the TMA forward's walk moved"
+                assert len(re.findall(r"\(int\)blockIdx\.x \+ kq \* \(int\)gridDim\.x",
+                                      body)) == 2, "the TMA forward's walk moved"
+                assert re.search(r"\(int\)gridDim\.x \+ \(int\)atomicAdd\(tile_counter, 1u\)",
+                                 body), "the TMA forward's tile counter moved"
                 assert spec.order == "reversed"
                 continue
             m = re.search(r"__global__ void[^;{]*?\b" + name + r"\(", body)

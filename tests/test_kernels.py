@@ -219,14 +219,14 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 64), variant=True)
 
 
-def test_the_copy_engine_forward_walks_tiles_only_without_a_band():
-    """flash2_fwd_ws: one CTA per Q tile under a band (causal, a window: tiles of unequal
-    cost, which the hardware hands to whichever SM frees first), else one per SM, each
-    walking tiles; a walking CTA holds Q_i in two slots, and its shared memory still fits
-    an SM at every instance (the launch model sizes its occupancy by the walking one)."""
-    assert kernels.ws_forward_ctas(2048, 132, banded=True) == 2048
-    assert kernels.ws_forward_ctas(2048, 132, banded=False) == 132
-    assert kernels.ws_forward_ctas(18, 132, banded=False) == 18
+def test_the_copy_engine_forward_walks_tiles_on_one_cta_per_sm():
+    """flash2_fwd_ws: one CTA per SM, each walking tiles (in a fixed order without a band,
+    from a counter under one), or one per tile where there are fewer tiles than SMs; a
+    walking CTA holds Q_i in two slots, and its shared memory still fits an SM at every
+    instance (the launch model sizes its occupancy by the walking one)."""
+    assert kernels.ws_forward_ctas(2048, 132) == 132
+    assert kernels.ws_forward_ctas(133, 132) == 132
+    assert kernels.ws_forward_ctas(18, 132) == 18
     for D in kernels.WS_HEAD_DIMS:
         Br, Bc = kernels.WS_BLOCKS[D]
         one, two = (kernels.ws_forward_smem(Br, Bc, D, walking=w) for w in (False, True))

@@ -511,9 +511,13 @@ def _torch_forward(q, k, v, causal, scale, kernel="auto"):
     O = torch.empty_like(q)
     L = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     index = q.device.index
+    # the copy-engine forward's tile counter under a band (_WsForward), from PyTorch's
+    # allocator on the current stream
+    kw = ({"counter": torch.empty(1, dtype=torch.int32, device=q.device)}
+          if getattr(plan.fwd, "banded", False) else {})
     with plan.cp.cuda.Device(index):
         plan.fwd(torch._C._cuda_getCurrentRawStream(index), q.data_ptr(), k.data_ptr(),
-                 v.data_ptr(), plan.at.data.ptr, O.data_ptr(), L.data_ptr())
+                 v.data_ptr(), plan.at.data.ptr, O.data_ptr(), L.data_ptr(), **kw)
     return O, L
 
 
@@ -608,31 +612,45 @@ class _TmaLaunch:
 
 
 class _WsForward(_TmaLaunch):
-    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides: its CTAs one per
-    Q tile under a band, else one per SM (kernels.ws_forward_ctas), and their shared
-    memory (kernels.ws_forward_smem), set with the band."""
+    """flash2_fwd_ws (flash2_ws.cu) for one set of shapes and strides: one CTA per SM
+    walking the Q tiles (kernels.ws_forward_ctas) and their shared memory
+    (kernels.ws_forward_smem), set with the band. Under a band (``banded``) the CTAs draw
+    their tiles from a counter, 4 bytes of device memory zeroed on the call's stream
+    before the launch: ``counter`` (a torch tensor or CuPy array allocated for that
+    stream), or, where none is passed, taken from CuPy's pool, whose current stream must
+    then be the call's. Each launch has its own, so that launches on different streams
+    never share one."""
 
     # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, d, dv, left, right | scale·log2e, k_in,
-    # k_out | slopes, io | problems
+    # k_out | slopes, io | problems | tile_counter
     def __init__(self, kernel, tiles, smem: int, crd, geoms, Br: int, Bc: int, D: int,
                  problems: int, sms: int):
         super().__init__(kernel, "flash2_fwd_ws", (tiles, 1), K.ws_threads(D), smem, geoms,
-                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQi", crd)
+                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQiQ", crd)
         self.args[0].value = crd.data.ptr
-        self.args[-1].value = problems
+        self.args[-2].value = problems
         self.tiles, self.sms, self.Br, self.Bc, self.D = tiles, sms, Br, Bc, D
+        self.banded = False
 
     def set_tail(self, Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io):
         self.set((Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io), 4)
-        banded = left >= 0 or right >= 0
-        ctas = K.ws_forward_ctas(self.tiles, self.sms, banded)
+        self.banded = left >= 0 or right >= 0
+        ctas = K.ws_forward_ctas(self.tiles, self.sms)
         self.grid = (ctas, 1)
         self.smem = K.ws_forward_smem(self.Br, self.Bc, self.D, walking=ctas < self.tiles)
 
     def __call__(self, stream: int, q: int, k: int, v: int, at: int, O: int, L: int,
-                 tail=None):
+                 tail=None, counter=None):
         if tail is not None:
             self.set_tail(*tail)
+        ptr = 0
+        if self.banded and 0 not in self.grid:
+            cp = dev.cupy()
+            if counter is None:
+                counter = cp.empty(1, cp.int32)
+            ptr = counter.data_ptr() if hasattr(counter, "data_ptr") else counter.data.ptr
+            cp.cuda.runtime.memsetAsync(ptr, 0, 4, stream)
+        self.args[-1].value = ptr
         _TmaLaunch.__call__(self, stream, (q, k, v), self.crd.data.ptr, at, O, L)
 
 
