@@ -1,12 +1,15 @@
 """Side-by-side GPU timing of attention, forward and backward, in one process.
 
     flashsim bench [--quick] [--ds 32,64,96,128,160,192,224,256] [--ns 2048,4096] [--dtypes float16] \
-                   [--causal both|yes|no] [--out bench] [--json]
+                   [--causal both|yes|no] [--idle] [--out bench] [--json]
     python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
 
 Times, with CUDA events after warm-up (median of --reps, the implementations taking
-turns rep by rep, each timed call after ~10 ms of untimed calls of its own so that it
-does not inherit its neighbour's clocks), on inputs several times the L2 size:
+turns rep by rep, each timed call queued behind ~10 ms of untimed calls of its own so
+that it does not inherit its neighbour's clocks and the events time the GPU's work, as
+in a training loop whose host runs ahead; the host's time per call is reported apart;
+--idle times each call on an idle stream instead, host time included), on inputs
+several times the L2 size:
 flashsim's kernels (`fs.gpu`: wg, the Hopper forward; tc; ref), a dense CuPy attention
 (matmul, softmax, matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
 efficient and math backends when PyTorch is present. Grid (each part can be chosen): float16 and
@@ -57,27 +60,40 @@ def dense_cupy(cp, q, k, v, causal, scale):
     return cp.matmul(P.astype(q.dtype), v)
 
 
-def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
+def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0, queued=True, host=None):
     """Milliseconds of each rep, per entry of ``fns`` ({key: (fn, context factory or
     None)}), each timed with CUDA events around one call, the entries taking turns rep by
     rep.
 
     Each timed call comes after untimed calls of its own entry lasting ``settle_ms`` (at
-    least one) and a synchronize. A kernel's speed depends on what ran before it: an H100
-    near its power limit (SDPA's math backend, a dense matmul) runs the next kernels at
-    lower clocks for a while. Timed straight after another entry, a kernel was charged
-    with its neighbour's power: at d = 128, N = 2048, causal, the kernel that followed
-    SDPA-math's backward measured up to 23% slower than beside one other entry, and one
-    settling call (about 0.5 ms) was not enough (kernels_cu/NOTES.md, "Timing"). The timed
-    call itself starts on an idle stream, so its host-side launch cost still counts."""
-    import contextlib
+    least one). A kernel's speed depends on what ran before it: an H100 near its power
+    limit (SDPA's math backend, a dense matmul) runs the next kernels at lower clocks for
+    a while. Timed straight after another entry, a kernel was charged with its
+    neighbour's power: at d = 128, N = 2048, causal, the kernel that followed SDPA-math's
+    backward measured up to 23% slower than beside one other entry, and one settling call
+    (about 0.5 ms) was not enough (kernels_cu/NOTES.md, "Timing").
 
-    def timed_call(fn, ctx, untimed):
-        """``untimed`` calls of fn, a synchronize, then one call timed alone (ms)."""
+    ``queued`` (the default): the timed call is queued behind its settling calls, as a
+    training loop's calls queue behind each other, so the events time the GPU's work
+    alone and the host's is hidden (while it issues calls faster than the GPU runs them;
+    ``host`` gets that cost). Otherwise the timed call starts on an idle stream after a
+    synchronize, host-side launch cost included; on an H200 such a call measured
+    0.1–0.3 ms above the same kernels queued, by an amount that differed between
+    implementations and from run to run (kernels_cu/NOTES.md, v46). ``host``, a dict,
+    gets per key the microseconds of host time per call of each settling loop."""
+    import contextlib
+    import time
+
+    def timed_call(key, fn, ctx, untimed):
+        """``untimed`` calls of fn, then one call timed (ms)."""
         with (ctx() if ctx else contextlib.nullcontext()):
+            t0 = time.perf_counter()
             for _ in range(untimed):
                 fn()
-            cp.cuda.Device().synchronize()
+            if host is not None and key is not None and untimed:
+                host.setdefault(key, []).append((time.perf_counter() - t0) / untimed * 1e6)
+            if not queued:
+                cp.cuda.Device().synchronize()
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record()
             fn()
@@ -85,12 +101,14 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0):
             stop.synchronize()
         return cp.cuda.get_elapsed_time(start, stop)
     # the warm-up's last call sizes each entry's settling calls
-    settle = {key: max(1, math.ceil(settle_ms / max(timed_call(fn, ctx, warmup), 1e-3)))
-              for key, (fn, ctx) in fns.items()}
+    settle = {}
+    for key, (fn, ctx) in fns.items():
+        timed_call(None, fn, ctx, warmup)
+        settle[key] = max(1, math.ceil(settle_ms / max(timed_call(None, fn, ctx, 0), 1e-3)))
     times = {key: [] for key in fns}
     for _ in range(reps):
         for key, (fn, ctx) in fns.items():
-            times[key].append(timed_call(fn, ctx, settle[key]))
+            times[key].append(timed_call(key, fn, ctx, settle[key]))
     return times
 
 
@@ -131,6 +149,10 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                     help="time the reference kernels (about 1 TFLOP/s) only up to this N")
     ap.add_argument("--ns", default=None, help="sequence lengths N to time, comma-separated "
                     "(default: 512 to 16384)")
+    ap.add_argument("--idle", action="store_true",
+                    help="time each call on an idle stream after a synchronize, its host-side "
+                         "launch cost included (default: queued behind its settling calls, "
+                         "the GPU's time alone; host time per call is reported apart)")
     ap.add_argument("--only", default=None, help="implementations to time, comma-separated "
                     "(default: all)")
     a = ap.parse_args(argv)
@@ -173,7 +195,9 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
             "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
             "timing": f"CUDA events, median of {a.reps} after 3 warm-ups, implementations "
                       f"interleaved, each timed call after {a.settle_ms:g} ms of untimed calls "
-                      f"of its own"}
+                      f"of its own, " + ("on an idle stream after a synchronize (host time "
+                                         "included)" if a.idle else "queued behind them (GPU "
+                                         "time; host µs per call apart)")}
     json_path = os.path.join(a.out, "bench.json")
     if a.resume and os.path.exists(json_path):
         rows = json.load(open(json_path))["rows"]
@@ -205,10 +229,12 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
         ff, fb = flops(B, H, N, d, causal), flops(B, H, N, d, causal, True)
         cfg = dict(dtype=dtype, d=d, N=N, B=B, H=H, causal=causal)
 
-        def add(name, fwd_reps, bwd_reps):
+        def add(name, fwd_reps, bwd_reps, fwd_host, bwd_host):
             fwd_ms = float(np.median(fwd_reps))
             bwd_ms = float(np.median(bwd_reps)) if bwd_reps else None
             rows.append({**cfg, "impl": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                         "fwd_host_us": float(np.median(fwd_host)) if fwd_host else None,
+                         "bwd_host_us": float(np.median(bwd_host)) if bwd_host else None,
                          "fwd_ms_reps": [round(t, 5) for t in fwd_reps],
                          "bwd_ms_reps": [round(t, 5) for t in bwd_reps or ()],
                          "fwd_tflops": ff / fwd_ms / 1e9 if fwd_ms else None,
@@ -262,9 +288,12 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                 qg, kg, vg, is_causal=causal), ctx)
             fns[name, "bwd"] = (lambda o=o, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
                 o, (qg, kg, vg), do, retain_graph=True), ctx)
-        reps = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms)
+        host = {}
+        reps = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms, queued=not a.idle,
+                           host=host)
         for name in dict.fromkeys(n for n, _ in fns):
-            add(name, reps[name, "fwd"], reps.get((name, "bwd")))
+            add(name, reps[name, "fwd"], reps.get((name, "bwd")), host.get((name, "fwd")),
+                host.get((name, "bwd")))
         del fns
         del q, k, v, do
         save()
@@ -273,8 +302,8 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
           f"batch·N = {TOKENS} tokens, heads = {HIDDEN}/d; {meta['timing']}; "
           f"CuPy {meta['cupy']}, PyTorch {meta['torch']}.", "",
           "| dtype | d | N | causal | impl | fwd TF/s | bwd TF/s | fwd vs flash | fwd vs cuDNN "
-          "| bwd vs flash | bwd vs cuDNN |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| bwd vs flash | bwd vs cuDNN | fwd host µs | bwd host µs |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = {(r["dtype"], r["d"], r["N"], r["causal"], r["impl"]): r for r in rows}
     for r in rows:
         key = (r["dtype"], r["d"], r["N"], r["causal"])
@@ -282,11 +311,15 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
 
         def ratio(x, y, field):
             return f"{x[field] / y[field]:.2f}" if x.get(field) and y and y.get(field) else ""
+
+        def us(x):
+            return "" if x is None else f"{x:.0f}"
         md.append(f"| {r['dtype']} | {r['d']} | {r['N']} | {r['causal']} | {r['impl']} | "
                   f"{r['fwd_tflops'] or 0:.1f} | "
                   f"{'' if r['bwd_tflops'] is None else format(r['bwd_tflops'], '.1f')} | "
                   f"{ratio(r, fl, 'fwd_tflops')} | {ratio(r, cu, 'fwd_tflops')} | "
-                  f"{ratio(r, fl, 'bwd_tflops')} | {ratio(r, cu, 'bwd_tflops')} |")
+                  f"{ratio(r, fl, 'bwd_tflops')} | {ratio(r, cu, 'bwd_tflops')} | "
+                  f"{us(r.get('fwd_host_us'))} | {us(r.get('bwd_host_us'))} |")
     with open(os.path.join(a.out, "bench.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     if a.json:

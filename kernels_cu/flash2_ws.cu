@@ -104,7 +104,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int ldo, int d, int dv, int left, int right, float scale_log2,
               float k_in, float k_out, const float* __restrict__ slopes, unsigned long long* io,
-              int problems, unsigned* __restrict__ tile_counter) {
+              int problems, int chunk, unsigned* __restrict__ tile_counter) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace ws;
     static_assert(D == 64 || D == 96 || D == 128, "head dims 64, 96 and 128");
@@ -136,9 +136,15 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const int g = lane >> 2, tig = lane & 3;
     const int nq = Nq, nk = Nk;
     const Band band{left, right, nk - nq};
-    // The tiles: tile t = x + nx·p is Q tile nx − 1 − x of problem p (the last Q tiles of a
-    // problem first: under a causal mask they see the most keys), the order in which the
-    // hardware starts the CTAs of a grid of nx × problems. CTA b runs tile b first, then
+    // The tiles: problems in chunks of `chunk` (the first one shorter where they do not
+    // divide, so that the launch ends on a whole chunk), a chunk's tiles in turn Q tile
+    // nx − 1 of each of its problems, then Q tile nx − 2 of each, …: tile r of a chunk of g
+    // problems from pb, r = x·g + p', is Q tile nx − 1 − x of problem pb + p'. The last Q
+    // tiles first: under a causal mask they see the most keys. With chunk = 1 (no band)
+    // that is t = x + nx·p, the order in which the hardware starts the CTAs of a grid of
+    // nx × problems; under a band kernels.ws_forward_chunk takes as many problems as keep
+    // their K and V in a share of L2, so that the launch ends on its lightest tiles, not on
+    // one problem's heavy ones (NOTES v46). CTA b runs tile b first, then
     // (G = gridDim.x, one CTA per SM: kernels.ws_forward_ctas) tiles b + G, b + 2G, …
     // without a counter (tiles of equal cost), or, under a band, G + the tickets it draws
     // from tile_counter (zeroed before the launch), so that whichever CTA frees first
@@ -148,8 +154,15 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     struct Tile { int p, i0, rows, jlo, jhi; };
     auto tile = [&](int t) {
         Tile x;
-        x.p = t / nx;
-        x.i0 = (nx - 1 - (t - x.p * nx)) * Br;
+        const int first = problems - (problems - 1) / chunk * chunk;   // 1 … chunk problems
+        int r = t, gc = first, pb = 0;               // tile r of the chunk of gc problems from pb
+        if (t >= first * nx) {
+            const int c = (t - first * nx) / (chunk * nx);
+            r = t - first * nx - c * chunk * nx, gc = chunk, pb = first + c * chunk;
+        }
+        const int xi = r / gc;
+        x.p = pb + (r - xi * gc);
+        x.i0 = (nx - 1 - xi) * Br;
         x.rows = min(Br, nq - x.i0);
         band.kv_range(x.i0, x.i0 + x.rows, nk, Bc, &x.jlo, &x.jhi);
         return x;

@@ -149,24 +149,27 @@ def varlen(rng, n_cases, dtypes):
 def walking(rng, dtypes):
     """The copy-engine forward's CTAs walking several tiles each (one CTA per SM; 3 SMs
     pretended, so that 2 × 3 problems of 130 queries put up to 6 tiles in a CTA, in a
-    fixed order or, under a band, from the tile counter): plain, softcap, causal and a
-    window, both builds, d = 64 and 128. Elsewhere, none."""
+    fixed order or, under a band, from the tile counter in chunks of 4 problems and 2):
+    plain, softcap, causal and a window, both builds, d = 64 and 128. Elsewhere, none."""
     if fs.gpu._device.cc(0) != 90:
         return 0
     import flashsim.gpu.flash2 as f2
     real, f2._PLANS = fs.gpu._device.num_sms, {}
+    chunk_bytes = fs.kernels.WS_CHUNK_BYTES
     fs.gpu._device.num_sms = lambda device: 3
     launches = 0
     try:
         for dtype in dtypes:
             for d in (64, 128):
                 q, k, v = (dev(rng.standard_normal((2, 3, n, d)), dtype) for n in (130, 200, 200))
+                fs.kernels.WS_CHUNK_BYTES, f2._PLANS = 4 * 200 * 2 * d * 2, {}
                 for var in ({}, {"softcap": 10.0}, {"causal": True}, {"window": (50, 20)}):
                     for count_io in (False, True):
                         fs.gpu.attention(q, k, v, count_io=count_io, **var)
                         launches += 1
     finally:
         fs.gpu._device.num_sms, f2._PLANS = real, {}
+        fs.kernels.WS_CHUNK_BYTES = chunk_bytes
     return launches
 
 

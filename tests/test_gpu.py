@@ -663,12 +663,19 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     path and PyTorch's fast path, and a second call (the counter zeroed again) the same."""
     import cupy as cp
     from flashsim.gpu import flash2, _device
-    grids = []
+    grids, chunks = [], []
     real = flash2._TmaLaunch.__call__
-    monkeypatch.setattr(flash2._TmaLaunch, "__call__",
-                        lambda self, *a, **k: (grids.append(self.grid), real(self, *a, **k))[1])
+
+    def spy(self, *a, **k):
+        grids.append(self.grid)
+        out = real(self, *a, **k)
+        chunks.append(self.args[-2].value)
+        return out
+    monkeypatch.setattr(flash2._TmaLaunch, "__call__", spy)
     monkeypatch.setattr(_device, "num_sms", lambda device: 5)
     monkeypatch.setattr(flash2, "_PLANS", {})
+    # under a band, chunks of 4 problems and a last one of 2 (kernels.ws_forward_chunk)
+    monkeypatch.setattr(fs.kernels, "WS_CHUNK_BYTES", 4 * 517 * 2 * d * 2)
     rng = np.random.default_rng(d + len(kw))
     q = rng.standard_normal((2, 3, 333, d)).astype(np.float16)
     k, v = (rng.standard_normal((2, 1, 517, d)).astype(np.float16) for _ in range(2))
@@ -679,6 +686,7 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     ws_io = fs.gpu.attention(qd, kd, vd, count_io=True, **kw)
     Br = fs.kernels.WS_BLOCKS[d][0]
     assert grids == [(5, 1)] * 2
+    assert chunks == [4 if kw.get("causal") or "window" in kw else 1] * 2
     again = fs.gpu.attention(qd, kd, vd, **kw)
     assert all(np.array_equal(host(a), host(b)) for a, b in zip(ws, again))
     monkeypatch.setenv("FLASHSIM_TMA", "0")

@@ -219,6 +219,23 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 64), variant=True)
 
 
+def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit_l2():
+    """Under a band flash2_fwd_ws hands out its tiles heaviest first across a chunk of
+    problems whose K and V fit WS_CHUNK_BYTES; without a band, or where one problem's K and
+    V fill it, a chunk is one problem (the grid's own order)."""
+    chunk = kernels.ws_forward_chunk
+    assert chunk(256, 2048, 64, 64, banded=False) == 1
+    kv = lambda N, d: N * 2 * d * 2                          # K and V of one problem, bytes
+    for P, N, d in ((256, 2048, 64), (64, 4096, 128), (16, 16384, 128), (3, 512, 64)):
+        g = chunk(P, N, d, d, banded=True)
+        assert 1 <= g <= P
+        assert g == P or g * kv(N, d) <= kernels.WS_CHUNK_BYTES < (g + 1) * kv(N, d)
+    assert chunk(64, 4096, 128, 128, banded=True) == kernels.WS_CHUNK_BYTES // kv(4096, 128) >= 2
+    assert chunk(16, 1 << 20, 128, 128, banded=True) == 1    # one problem's K, V past it
+    assert chunk(3, 512, 64, 64, banded=True) == 3           # every problem in one chunk
+    assert chunk(8, 4096, 128, 64, banded=True) == kernels.WS_CHUNK_BYTES // (4096 * 192 * 2)
+
+
 def test_the_copy_engine_forward_walks_tiles_on_one_cta_per_sm():
     """flash2_fwd_ws: one CTA per SM, each walking tiles (in a fixed order without a band,
     from a counter under one), or one per tile where there are fewer tiles than SMs; a

@@ -622,19 +622,21 @@ class _WsForward(_TmaLaunch):
     never share one."""
 
     # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, d, dv, left, right | scale·log2e, k_in,
-    # k_out | slopes, io | problems | tile_counter
+    # k_out | slopes, io | problems, chunk | tile_counter
     def __init__(self, kernel, tiles, smem: int, crd, geoms, Br: int, Bc: int, D: int,
                  problems: int, sms: int):
         super().__init__(kernel, "flash2_fwd_ws", (tiles, 1), K.ws_threads(D), smem, geoms,
-                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQiQ", crd)
+                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQiiQ", crd)
         self.args[0].value = crd.data.ptr
-        self.args[-2].value = problems
+        self.args[-3].value = problems
         self.tiles, self.sms, self.Br, self.Bc, self.D = tiles, sms, Br, Bc, D
+        self.problems = problems
         self.banded = False
 
     def set_tail(self, Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io):
         self.set((Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io), 4)
         self.banded = left >= 0 or right >= 0
+        self.args[-2].value = K.ws_forward_chunk(self.problems, Nk, d, dv, self.banded)
         ctas = K.ws_forward_ctas(self.tiles, self.sms)
         self.grid = (ctas, 1)
         self.smem = K.ws_forward_smem(self.Br, self.Bc, self.D, walking=ctas < self.tiles)
