@@ -392,25 +392,27 @@ def ws_forward_ctas(tiles: int, sms: int) -> int:
     return min(tiles, sms)
 
 
-# A banded flash2_fwd_ws launch visits its problems in chunks whose K and V take about
-# this much of L2 (H100: 50 MB): enough problems a chunk that the launch ends on light
-# tiles, few enough that the tiles in flight re-read K_j, V_j from L2 (NOTES v46: at
-# d = 128, N = 16k chunks of 2 problems, 16 MB, measured 0–2% slower than 1)
+# A banded flash2_fwd_ws or flash2_bwd_ws launch visits its problems in chunks whose
+# operands re-read by every tile (the forward's K and V, the backward's Q and dO) take
+# about this much of L2 (H100: 50 MB): enough problems a chunk that the launch ends on
+# light tiles, few enough that the tiles in flight re-read them from L2 (NOTES v46: the
+# forward at d = 128, N = 16k in chunks of 2 problems, 16 MB, measured 0–2% slower than 1)
 WS_CHUNK_BYTES = 8 * 2**20
 
 
-def ws_forward_chunk(problems: int, Nk: int, d: int, dv: int, banded: bool,
-                     itemsize: int = 2) -> int:
-    """Problems per chunk of a flash2_fwd_ws launch's tile order (its `chunk` parameter):
-    1 without a band (tile t = x + nx·p: Q tile nx − 1 − x of problem p, the hardware's
-    order of a grid of nx × problems, whose tiles cost the same); under a band as many
-    problems as keep their K and V (Nk·(d + dv) elements each) within WS_CHUNK_BYTES, at
-    least 1: the tiles the counter hands out then go heaviest first across a chunk's
-    problems, and the launch ends on its lightest tiles rather than on a last problem's
-    heavy ones (at N = 2k–4k under a causal mask 2–6% faster, NOTES v46)."""
+def ws_chunk(problems: int, N: int, d: int, dv: int, banded: bool, itemsize: int = 2) -> int:
+    """Problems per chunk of the tile order of a flash2_fwd_ws launch (its `chunk`
+    parameter; N = Nk) or a flash2_bwd_ws one (N = Nq). 1 without a band: the order of the
+    grid of tiles × problems, whose tiles cost the same (the forward: Q tile nx − 1 − x of
+    problem p at t = x + nx·p; the backward: K/V tile blockIdx.x of problem blockIdx.y).
+    Under a band as many problems as keep N·(d + dv) elements each within WS_CHUNK_BYTES,
+    at least 1: the tiles then go heaviest first across a chunk's problems (the forward's
+    last Q tiles, the backward's first K/V tiles), so a launch ends on its lightest tiles
+    rather than on a last problem's heavy ones (the forward at N = 2k–4k under a causal
+    mask 2–6% faster, NOTES v46)."""
     if not banded:
         return 1
-    return max(1, min(problems, WS_CHUNK_BYTES // max(1, Nk * (d + dv) * itemsize)))
+    return max(1, min(problems, WS_CHUNK_BYTES // max(1, N * (d + dv) * itemsize)))
 
 
 def threads(kernel: str, d: int, cc: int) -> int:
@@ -438,7 +440,7 @@ def threads(kernel: str, d: int, cc: int) -> int:
 # they give against every instance's own count.
 REGISTERS = {
     "sm_90": {"flash2_fwd": 77, "flash2_bwd_preprocess": 29, "flash2_bwd_main": 103,
-              "flash2_bwd_postprocess": 28,
+              "flash2_bwd_postprocess": 30,
               "flash2_fwd_tc": {32: 255, 64: 255, 96: 251, 128: 255, 160: 196, 192: 226, 224: 255,
                                 256: 255},
               "flash2_bwd_preprocess_tc": 32,
@@ -458,7 +460,7 @@ REGISTERS = {
                   (16, {64: 110, 128: 160}), (32, {64: 124, 128: 190}),
                   (64, {64: 150, 128: 210})) for c in (2, 4, 8)}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
-              "flash2_bwd_postprocess": 30,
+              "flash2_bwd_postprocess": 32,
               "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
                                 256: 254},
               "flash2_bwd_preprocess_tc": 30,

@@ -262,7 +262,44 @@ __global__ void flash2_bwd_postprocess(const float* __restrict__ dQacc, T* __res
     const int i0 = blockIdx.x * Br, rows = min(Br, Nq - i0);
     const long long row = (long long)blockIdx.y * Nq + i0;        // of dQacc
     T* dQi = dQ + at_row0(at, blockIdx.y, AT_dQ) + (long long)i0 * lddq;
-    if (tiled) {             // flash2_bwd_ws's blocks at instance D = tiled (common.cuh's dq_tiled_at)
+    if (sizeof(T) == 2 && tiled && i0 % dq_rows(tiled) == 0 && Br <= dq_rows(tiled)) {
+        // flash2_bwd_ws's blocks at instance D = tiled (64 or 128; common.cuh's
+        // dq_tiled_at), this CTA's rows within one: read in the blocks' own order, a float4
+        // a thread (a warp's 512 bytes contiguous), each holding rows r, r + 8 at columns
+        // c, c + 1, put in rows in shared memory, then written out along the rows, 16 bytes
+        // a thread where the layout allows (gathered from global memory, or written as the
+        // blocks lie, the pass ran at a third of the copy bandwidth)
+        const int R = dq_rows(tiled), pitch = tiled + 8;    // in T; 16 bytes of padding a row
+        __shared__ __align__(16) unsigned short sdq[128 * (64 + 8)];   // ≥ 64 · (128 + 8)
+        const float4* blk = reinterpret_cast<const float4*>(
+            dQacc + ((long long)blockIdx.y * ((Nq + R - 1) / R) + i0 / R) * DQ_BLOCK);
+        for (int f = threadIdx.x; f < DQ_BLOCK / 4; f += blockDim.x) {
+            // f = k·256 + h·128 + warp·32 + g·4 + tig (common.cuh)
+            const int k = f >> 8, h = (f >> 7) & 1, rr = ((f >> 5) & 3) * 16 + ((f >> 2) & 7);
+            const int c = (tiled == 128 ? h * 64 : 0) + k * 8 + (f & 3) * 2;
+            const int r = (tiled == 128 ? 0 : h * 64) + rr;
+            if (r >= rows) continue;
+            const float4 v = blk[f];
+            T* s0 = reinterpret_cast<T*>(sdq) + r * pitch + c;
+            s0[0] = from_acc<T>((A)v.x), s0[1] = from_acc<T>((A)v.y);
+            s0[8 * pitch] = from_acc<T>((A)v.z), s0[8 * pitch + 1] = from_acc<T>((A)v.w);
+        }
+        __syncthreads();
+        const T* sd = reinterpret_cast<const T*>(sdq);
+        if (d % 8 == 0 && lddq % 8 == 0 && reinterpret_cast<unsigned long long>(dQi) % 16 == 0) {
+            const int per = d / 8;                      // 16-byte pieces a row
+            for (int x = threadIdx.x; x < rows * per; x += blockDim.x) {
+                const int r = x / per, c = (x - r * per) * 8;
+                *reinterpret_cast<uint4*>(dQi + (long long)r * lddq + c) =
+                    *reinterpret_cast<const uint4*>(sd + r * pitch + c);
+            }
+        } else {
+            for (int x = threadIdx.x; x < rows * d; x += blockDim.x) {
+                const int r = x / d, c = x - r * d;
+                dQi[(long long)r * lddq + c] = sd[r * pitch + c];
+            }
+        }
+    } else if (tiled) {      // (rows across blocks: element by element)
         const int R = dq_rows(tiled);
         const long long blk0 = (long long)blockIdx.y * ((Nq + R - 1) / R);
         for (long long x = threadIdx.x; x < (long long)rows * d; x += blockDim.x) {

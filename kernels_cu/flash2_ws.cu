@@ -142,7 +142,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // problems from pb, r = x·g + p', is Q tile nx − 1 − x of problem pb + p'. The last Q
     // tiles first: under a causal mask they see the most keys. With chunk = 1 (no band)
     // that is t = x + nx·p, the order in which the hardware starts the CTAs of a grid of
-    // nx × problems; under a band kernels.ws_forward_chunk takes as many problems as keep
+    // nx × problems; under a band kernels.ws_chunk takes as many problems as keep
     // their K and V in a share of L2, so that the launch ends on its lightest tiles, not on
     // one problem's heavy ones (NOTES v46). CTA b runs tile b first, then
     // (G = gridDim.x, one CTA per SM: kernels.ws_forward_ctas) tiles b + G, b + 2G, …
@@ -455,7 +455,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
        const float* __restrict__ L, const float* __restrict__ Dv, float* __restrict__ dQacc,
        T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv,
        int left, int right, float scale, float k_in, float k_out, const float* __restrict__ slopes,
-       int* __restrict__ sem, unsigned long long* io) {
+       int* __restrict__ sem, unsigned long long* io, int chunk) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace wg;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -483,11 +483,31 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     auto empty = [&](int s) { return bKV + 8 * (1 + STAGES + s); };
     auto dQfull = [&](int b) { return bKV + 8 * (1 + 2 * STAGES + b); };
     auto dQempty = [&](int b) { return bKV + 8 * (3 + 2 * STAGES + b); };
+    // the problem, read again where it is used (the consumers have no register to keep it
+    // in): blockIdx.y, or under chunks of problems where thread 0 left it
+    __shared__ int tile_p;
+    auto problem = [&]() { return chunk > 1 ? *(volatile int*)&tile_p : (int)opaque_ctaid_y(); };
 
     const int warp = threadIdx.x >> 5, grp = warp >> 2, lane = threadIdx.x & 31;
     // deterministic mode takes the tiles from the last (flash2_bwd_wg_det's order)
-    const int p = blockIdx.y;
-    const int j = DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x, nq = Nq, nk = Nk;
+    int p = blockIdx.y, j = DET ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    if (!DET && chunk > 1) {
+        // under a band (kernels.ws_chunk): the hardware starts CTA t = x + nx·y in turn;
+        // problems in chunks of `chunk` (the first one shorter where they do not divide),
+        // a chunk's K/V tiles in turn tile 0 of each of its problems (under a causal mask
+        // seen by the most queries), then tile 1 of each, …, so that the launch ends on
+        // light tiles, not on one problem's heavy ones (the forward's order, NOTES v46)
+        const int nx = gridDim.x, t = blockIdx.x + nx * blockIdx.y;
+        const int first = (int)gridDim.y - ((int)gridDim.y - 1) / chunk * chunk;
+        int r = t, gc = first, pb = 0;
+        if (t >= first * nx) {
+            const int c = (t - first * nx) / (chunk * nx);
+            r = t - first * nx - c * chunk * nx, gc = chunk, pb = first + c * chunk;
+        }
+        j = r / gc;
+        p = pb + (r - j * gc);
+    }
+    const int nq = Nq, nk = Nk;
     const int j0 = j * Bc, cols = min(Bc, nk - j0);
     const Band band{left, right, nk - nq};
     int ilo, ihi;                                    // visited Q tiles, in units of BrB rows
@@ -507,6 +527,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
             mbar_init(dQempty(b), 1);                // the reducing warp's
         }
         mbar_init_fence();
+        tile_p = p;
     }
     __syncthreads();
 
@@ -576,7 +597,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     float dv_acc[D / 2], dk_acc[D / 2];              // dV_j, dK_j of the warpgroup's 64 keys
 #pragma unroll
     for (int x = 0; x < D / 2; ++x) dv_acc[x] = dk_acc[x] = 0.f;
-    auto slope = [&]() { return slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f; };
+    auto slope = [&]() { return slopes != nullptr ? slopes[problem()] : 0.f; };
     // deterministic: the consumers (threads 128 … 383) wait for and pass the turn
     auto wait = [&](int i, int rows) {
         wgb::Turn t{nullptr, 0};
@@ -661,8 +682,8 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
 #endif
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
     wgb::store_dkv<T, D, 1>(tile, dk_acc, dv_acc,
-                            dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + j0 * (long long)lddk,
-                            dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + j0 * (long long)lddv,
+                            dK + at_row0_here(at, problem(), AT_dK) + j0 * (long long)lddk,
+                            dV + at_row0_here(at, problem(), AT_dV) + j0 * (long long)lddv,
                             lddk, lddv, d, dv, scale);
 #else
     __trap();
@@ -676,9 +697,9 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     const float* __restrict__ Dv, float* __restrict__ dQacc, T* __restrict__ dK,               \
     T* __restrict__ dV, int Nq, int Nk, int lddk, int lddv, int d, int dv, int left, int right, \
     float scale, float k_in, float k_out, const float* __restrict__ slopes,                    \
-    int* __restrict__ sem, unsigned long long* io
+    int* __restrict__ sem, unsigned long long* io, int chunk
 #define FLASHSIM_BWD_WS_ARGS &tmQ, &tmK, &tmV, &tmdO, crd, at, L, Dv, dQacc, dK, dV, Nq, Nk, \
-    lddk, lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io
+    lddk, lddv, d, dv, left, right, scale, k_in, k_out, slopes, sem, io, chunk
 
 // dQ by the copy engine's reduce-adds from shared memory, in no fixed order, into dQacc in
 // blocks of DQ_BLOCK per problem and step (common.cuh's dq_tiled_at; sem is not read: pass

@@ -674,7 +674,7 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     monkeypatch.setattr(flash2._TmaLaunch, "__call__", spy)
     monkeypatch.setattr(_device, "num_sms", lambda device: 5)
     monkeypatch.setattr(flash2, "_PLANS", {})
-    # under a band, chunks of 4 problems and a last one of 2 (kernels.ws_forward_chunk)
+    # under a band, chunks of 4 problems and a first one of 2 (kernels.ws_chunk)
     monkeypatch.setattr(fs.kernels, "WS_CHUNK_BYTES", 4 * 517 * 2 * d * 2)
     rng = np.random.default_rng(d + len(kw))
     q = rng.standard_normal((2, 3, 333, d)).astype(np.float16)
@@ -846,10 +846,17 @@ def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_i
     if torch_in and not HAVE_TORCH:
         pytest.skip("PyTorch with CUDA not installed")
     from flashsim.gpu import flash2
-    calls = []
+    calls, chunks = [], []
     real = flash2._TmaLaunch.__call__
-    monkeypatch.setattr(flash2._TmaLaunch, "__call__",
-                        lambda self, *a, **k: (calls.append(self.name), real(self, *a, **k))[1])
+
+    def spy(self, *a, **k):
+        calls.append(self.name)
+        out = real(self, *a, **k)
+        chunks.append(self.args[-1].value)
+        return out
+    monkeypatch.setattr(flash2._TmaLaunch, "__call__", spy)
+    # under a band, the K/V tiles in chunks of 3 problems and a first of 2 (kernels.ws_chunk)
+    monkeypatch.setattr(fs.kernels, "WS_CHUNK_BYTES", 3 * 333 * 2 * d * 2)
     rng = np.random.default_rng(19)
     q = rng.standard_normal((2, 333, 4, d)).astype(np.float16).transpose(0, 2, 1, 3)
     k, v = (rng.standard_normal((2, 2, 517, d)).astype(np.float16) for _ in range(2))
@@ -874,6 +881,8 @@ def test_the_tma_backward_gives_the_cp_async_backwards_bits(monkeypatch, torch_i
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     ws = [grads(), grads(deterministic=True), grads(count_io=True)]
     assert calls == ["flash2_bwd_ws", "flash2_bwd_ws_det", "flash2_bwd_ws"]
+    banded = kw.get("causal") or "window" in kw
+    assert chunks == [3 if banded else 1, 1, 3 if banded else 1]
     for a, b in zip(ws[0][1:] + ws[1] + ws[2][1:3], wg[0][1:] + wg[1] + wg[2][1:3]):
         assert np.array_equal(host(a), host(b))
     np.testing.assert_allclose(host(ws[0][0]), host(wg[0][0]), rtol=2e-3, atol=2e-3)

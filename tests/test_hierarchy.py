@@ -298,17 +298,19 @@ def test_launch_orders_match_the_kernels_block_index_arithmetic():
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
             if name in ("flash2_bwd_ws", "flash2_bwd_ws_det"):     # no varlen instance
-                assert re.search(r"const int j = DET \? gridDim\.x - 1 - blockIdx\.x : "
-                                 r"blockIdx\.x", body), "the TMA backward's j mapping moved"
+                # (under a band, not _det, chunks of problems: kernels.ws_chunk, 1 without)
+                assert re.search(r"int p = blockIdx\.y, j = DET \? gridDim\.x - 1 - blockIdx\.x : "
+                                 r"blockIdx\.x;\s*if \(!DET && chunk > 1\)", body), \
+                    "the TMA backward's j mapping moved"
                 assert spec.order == ("reversed" if name.endswith("_det") else "natural")
                 continue
             if name == "flash2_fwd_ws":   # tiles in chunks of problems, Q tile nx − 1 − xi of
                 # each in turn, from blockIdx.x in steps of gridDim.x (under a band, then
-                # from a counter): with chunk = 1 (no band: kernels.ws_forward_chunk) the
+                # from a counter): with chunk = 1 (no band: kernels.ws_chunk) the
                 # (reversed) order of a grid of nx × problems
                 assert re.search(r"const int xi = r / gc;\s*x\.p = pb \+ \(r - xi \* gc\);"
                                  r"\s*x\.i0 = \(nx - 1 - xi\) \* Br", body), "the TMA forward's order moved"
-                assert K.ws_forward_chunk(7, 4096, 128, 128, banded=False) == 1
+                assert K.ws_chunk(7, 4096, 128, 128, banded=False) == 1
                 assert len(re.findall(r"\(int\)blockIdx\.x \+ kq \* \(int\)gridDim\.x",
                                       body)) == 2, "the TMA forward's walk moved"
                 assert re.search(r"\(int\)gridDim\.x \+ \(int\)atomicAdd\(tile_counter, 1u\)",

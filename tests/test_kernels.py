@@ -223,7 +223,7 @@ def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit
     """Under a band flash2_fwd_ws hands out its tiles heaviest first across a chunk of
     problems whose K and V fit WS_CHUNK_BYTES; without a band, or where one problem's K and
     V fill it, a chunk is one problem (the grid's own order)."""
-    chunk = kernels.ws_forward_chunk
+    chunk = kernels.ws_chunk
     assert chunk(256, 2048, 64, 64, banded=False) == 1
     kv = lambda N, d: N * 2 * d * 2                          # K and V of one problem, bytes
     for P, N, d in ((256, 2048, 64), (64, 4096, 128), (16, 16384, 128), (3, 512, 64)):

@@ -462,7 +462,8 @@ def _attention_backward(q, k, v, out, lse, dout, *, causal, scale, window, softc
                dev.pointer(dK), dev.pointer(dV), Nq, Nk, int(ld[A.AT_dK]), int(ld[A.AT_dV]),
                d, dv, left, right, scale, float(k_in), float(k_out),
                0 if isinstance(sl, np.uint64) else sl.data.ptr,
-               0 if isinstance(sem, np.uint64) else sem.data.ptr, io.data.ptr)
+               0 if isinstance(sem, np.uint64) else sem.data.ptr, io.data.ptr,
+               1 if deterministic else K.ws_chunk(P, Nq, d, dv, left >= 0 or right >= 0))
         else:
             smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
             dev.launch(cp, dev.kernel(name, dtype, count_io, D, var), grid(name), smem,
@@ -636,7 +637,7 @@ class _WsForward(_TmaLaunch):
     def set_tail(self, Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io):
         self.set((Nq, Nk, ldo, d, dv, left, right, scale_log2, k_in, k_out, slopes, io), 4)
         self.banded = left >= 0 or right >= 0
-        self.args[-2].value = K.ws_forward_chunk(self.problems, Nk, d, dv, self.banded)
+        self.args[-2].value = K.ws_chunk(self.problems, Nk, d, dv, self.banded)
         ctas = K.ws_forward_ctas(self.tiles, self.sms)
         self.grid = (ctas, 1)
         self.smem = K.ws_forward_smem(self.Br, self.Bc, self.D, walking=ctas < self.tiles)
@@ -673,7 +674,8 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
     arrays (``cols``: Q, K, V, dO), or None where it does not apply (kernels.ws_runs;
     layouts TMA cannot address; FLASHSIM_TMA=0): flash2_bwd_wg then runs, with the same
     tiles, steps and bits. Its parameters: tmQ, tmK, tmV, tmdO | crd, at, L, D, dQacc, dK,
-    dV | Nq, Nk, lddk, lddv, d, dv, left, right | scale, k_in, k_out | slopes, sem, io.
+    dV | Nq, Nk, lddk, lddv, d, dv, left, right | scale, k_in, k_out | slopes, sem, io |
+    chunk (kernels.ws_chunk).
     dQacc is tiled (_dq_tiled_shape) for flash2_bwd_ws, in rows for _det. Head dims below
     D run its plain instance (``var``: softcap or ALiBi only): the copy engine zero-fills
     the columns past d and dv."""
@@ -701,7 +703,7 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
                       K.grid(name, shape.Nq, shape.Nk, Br, Bc, shape.problems),
                       K.threads(name, D, dev.cc(cp.cuda.Device().id)),
                       K.smem_bytes(name, Br, Bc, D, D, dtype), geoms, box, D,
-                      "QQQQQQQiiiiiiiifffQQQ", crd)
+                      "QQQQQQQiiiiiiiifffQQQi", crd)
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
@@ -974,7 +976,8 @@ def _plan_torch_backward(plan, q, k, v, out, dout, kernel="auto"):
                                A.AT_V: (views[2], "k"), A.AT_dO: (views[4], "q")}, ld)
             if ws is not None:
                 ws.set((Nq, Nk, ld[A.AT_dK], ld[A.AT_dV], d, d, plan.left, plan.right,
-                        plan.scale, 0.0, 0.0, 0, 0, plan.io), 7)
+                        plan.scale, 0.0, 0.0, 0, 0, plan.io,
+                        K.ws_chunk(P, Nq, d, d, plan.left >= 0 or plan.right >= 0)), 7)
                 main = _WsBackwardMain(ws)
         # (O, dO, at, D, dQacc | Nq, ldo, lddo, d, dv, tiled, io)
         tiled = D if isinstance(main, _WsBackwardMain) else 0
