@@ -6,7 +6,8 @@ that traffic goes to L2, and only L2 misses reach DRAM. This module predicts the
 bytes from the launch:
 
 1. **The launch** (`Launch`, from the table in `flashsim.kernels`): the kernel, its grid,
-   which tile each blockIdx takes (natural or reversed order), and how many CTAs an SM
+   which tile each blockIdx takes (natural or reversed order; under a band the copy-engine
+   kernels' tiles go out in chunks of problems, `kernels.ws_order`), and how many CTAs an SM
    holds (the CUDA occupancy rules over threads, registers and shared memory), so
    ``slots = SMs × CTAs per SM`` run at once.
 2. **The CTAs' programs**: the tile moves of the simulator's schedule, CTA by CTA — for
@@ -511,8 +512,10 @@ def program(launch: Launch, shape: Shape, io_dtype, band) -> Program:
     b, s = itemsize_of(io_dtype), STAT_BYTES
     Nq, Nk, d, dv = shape.Nq, shape.Nk, shape.d, shape.dv
     gx, P = launch.grid
-    bx = np.tile(np.arange(gx, dtype=np.int64), P)
-    p = np.repeat(np.arange(P, dtype=np.int64), gx)
+    # the copy-engine kernels take a banded launch's problems in chunks (kernels.ws_chunk)
+    N = {"flash2_fwd_ws": Nk, "flash2_bwd_ws": Nq}.get(launch.kernel)
+    chunk = 1 if N is None else K.ws_chunk(P, N, d, dv, not band.unbounded)
+    bx, p = K.ws_order(gx, P, chunk)
     t = launch.tile_of(bx)
     kv = _kv_of(shape)[p]
     zero = np.zeros(len(p), np.int64)

@@ -415,6 +415,25 @@ def ws_chunk(problems: int, N: int, d: int, dv: int, banded: bool, itemsize: int
     return max(1, min(problems, WS_CHUNK_BYTES // max(1, N * (d + dv) * itemsize)))
 
 
+def ws_order(nx: int, problems: int, chunk: int):
+    """(x, p) of each tile in the order flash2_fwd_ws hands its tiles out and
+    flash2_bwd_ws's CTAs take theirs (flash2_ws.cu, the same arithmetic): problems in
+    chunks of ``chunk`` (the first one shorter where they do not divide, so that the
+    order ends on a whole chunk), a chunk's tiles x = 0 of each of its problems, then
+    x = 1 of each, …; with chunk = 1, tile x of problem p at x + nx·p (the order of a grid
+    of nx × problems). x is the forward's Q tile nx − 1 − x, the backward's K/V tile x."""
+    import numpy as np
+    t = np.arange(nx * problems, dtype=np.int64)
+    first = problems - (problems - 1) // chunk * chunk
+    late = t >= first * nx
+    c = np.where(late, (t - first * nx) // (chunk * nx), 0)
+    r = np.where(late, t - first * nx - c * chunk * nx, t)
+    gc = np.where(late, chunk, first)
+    pb = np.where(late, first + c * chunk, 0)
+    x = r // gc
+    return x, pb + r - x * gc
+
+
 def threads(kernel: str, d: int, cc: int) -> int:
     """Threads per CTA of ``kernel`` at head dim d on a device of compute capability cc."""
     if kernel == "flash2_fwd_tc":

@@ -153,6 +153,29 @@ def test_causal_heavy_tiles_start_first():
     assert prog.n.tolist() == [8, 7, 6, 5, 4, 3, 2, 1]
 
 
+def test_banded_copy_engine_launches_take_problems_in_chunks(monkeypatch):
+    """Under a causal mask the model runs flash2_fwd_ws's tiles and flash2_bwd_ws's CTAs in
+    the kernels' order (kernels.ws_order): a chunk's heaviest tiles across its problems
+    first; without a mask the grid's order."""
+    monkeypatch.setattr(K, "WS_CHUNK_BYTES", 4 * 1024 * 256 * 2)     # chunks of 4 problems
+    shape = make_shape(Nq=1024, Nk=1024, d=128, batch_shape=(2, 3))
+    (L,) = h.launches(shape, "float16", H100)
+    assert L.kernel == "flash2_fwd_ws" and L.grid == (8, 6)
+    prog = h.program(L, shape, "float16", make_band(True, None))
+    Q = prog.prologue[0]
+    # a first chunk of 2 problems, then one of 4: Q tile 7 (8 key tiles) of each in turn
+    assert Q.problem[:4].tolist() == [0, 1, 0, 1] and Q.tile[:4].tolist() == [7, 7, 6, 6]
+    assert prog.n[:4].tolist() == [8, 8, 7, 7]
+    assert Q.problem[16:22].tolist() == [2, 3, 4, 5, 2, 3] and prog.n[16:22].tolist() == [8] * 4 + [7] * 2
+    plain = h.program(L, shape, "float16", make_band(False, None))
+    assert plain.prologue[0].problem[:9].tolist() == [0] * 8 + [1]
+    main = h.launches(shape, "float16", H100, backward=True)[1]
+    assert main.kernel == "flash2_bwd_ws"
+    bprog = h.program(main, shape, "float16", make_band(True, None))
+    KV = bprog.prologue[0]                       # K/V tile 0 (seen by every query) first
+    assert KV.tile[:4].tolist() == [0, 0, 1, 1] and bprog.inner_problem[:4].tolist() == [0, 1, 0, 1]
+
+
 # -- the model's programs are the simulator's schedule --------------------------------
 
 class TraceMachine(Machine):

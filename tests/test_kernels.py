@@ -236,6 +236,27 @@ def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit
     assert chunk(8, 4096, 128, 64, banded=True) == kernels.WS_CHUNK_BYTES // (4096 * 192 * 2)
 
 
+@pytest.mark.parametrize("nx,P,chunk", [(3, 5, 2), (8, 6, 4), (5, 7, 1), (4, 3, 3), (1, 9, 4)])
+def test_the_copy_engine_order_takes_every_tile_once_in_chunks_of_problems(nx, P, chunk):
+    """kernels.ws_order: every (x, p) once; with chunk = 1 the grid's order; otherwise a
+    first chunk of the remainder (or a whole one), and within each chunk x ascending, its
+    problems in turn."""
+    x, p = kernels.ws_order(nx, P, chunk)
+    assert sorted(zip(x.tolist(), p.tolist())) == [(a, b) for a in range(nx) for b in range(P)]
+    if chunk == 1:
+        assert x.tolist() == [t % nx for t in range(nx * P)]
+        assert p.tolist() == [t // nx for t in range(nx * P)]
+    first = P % chunk or chunk
+    bounds = [0, first] + list(range(first + chunk, P + 1, chunk))
+    at = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        g = hi - lo
+        assert x[at:at + g * nx].tolist() == [t // g for t in range(g * nx)]
+        assert p[at:at + g * nx].tolist() == [lo + t % g for t in range(g * nx)]
+        at += g * nx
+    assert at == nx * P
+
+
 def test_the_copy_engine_forward_walks_tiles_on_one_cta_per_sm():
     """flash2_fwd_ws: one CTA per SM, each walking tiles (in a fixed order without a band,
     from a counter under one), or one per tile where there are fewer tiles than SMs; a
