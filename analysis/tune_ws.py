@@ -32,10 +32,11 @@ from flashsim.bench import interleaved  # noqa: E402
 
 OUT = os.path.join(C.DEFAULT_OUT, "bench")
 
-CONFIGS = {  # name: (macros, Q tile rows at d = 64, K/V stages)
+CONFIGS = {  # name: (macros, Q tile rows at d = 64, K/V stages[, K/V tile rows at d = 64])
     "c2": (("FLASHSIM_WS_CONSUMERS64=2",), 128, 2),
     "c3": (("FLASHSIM_WS_CONSUMERS64=3",), 192, 2),
     "c3s3": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_STAGES=3"), 192, 3),
+    "c3b64": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_BC64=64"), 192, 2, 64),
 }
 
 
@@ -46,11 +47,11 @@ def child(name: str, d: int, Ns, reps: int, build_only: bool) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from bench_variants import record
-    macros, rows64, stages = CONFIGS[name]
+    macros, rows64, stages, *bc64 = CONFIGS[name]
     dev, K = fs.gpu._device, fs.kernels
     real = dev.compile_options
     dev.compile_options = lambda count_io: real(count_io) + tuple(f"-D{m}" for m in macros)
-    K.WS_BLOCKS[64] = (rows64, K.WS_BLOCKS[64][1])
+    K.WS_BLOCKS[64] = (rows64, bc64[0] if bc64 else K.WS_BLOCKS[64][1])
     K.WS_STAGES = stages
     rows = []
     for N in Ns:

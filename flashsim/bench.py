@@ -5,10 +5,11 @@
     python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
 
 Times, with CUDA events after warm-up (median of --reps, the implementations taking
-turns rep by rep, each timed call queued behind ~10 ms of untimed calls of its own so
-that it does not inherit its neighbour's clocks and the events time the GPU's work, as
-in a training loop whose host runs ahead; the host's time per call is reported apart;
---idle times each call on an idle stream instead, host time included), on inputs
+turns rep by rep; each rep a window of ~50 ms of calls queued behind ~300 ms of untimed
+calls of its own, so that each implementation runs at the clock its own power draw gives
+a card at its power limit rather than its neighbour's, and the events time the GPU's
+work, as in a training loop whose host runs ahead; the host's time per call is reported
+apart; --idle starts each window on an idle stream instead, host time included), on inputs
 several times the L2 size:
 flashsim's kernels (`fs.gpu`: wg, the Hopper forward; tc; ref), a dense CuPy attention
 (matmul, softmax, matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
@@ -60,55 +61,65 @@ def dense_cupy(cp, q, k, v, causal, scale):
     return cp.matmul(P.astype(q.dtype), v)
 
 
-def interleaved(cp, fns, reps, warmup=3, settle_ms=10.0, queued=True, host=None):
-    """Milliseconds of each rep, per entry of ``fns`` ({key: (fn, context factory or
-    None)}), each timed with CUDA events around one call, the entries taking turns rep by
-    rep.
+def interleaved(cp, fns, reps, warmup=3, settle_ms=300.0, queued=True, host=None,
+                window_ms=50.0):
+    """Milliseconds per call of each rep, per entry of ``fns`` ({key: (fn, context
+    factory or None)}), timed with CUDA events around a window of calls lasting about
+    ``window_ms`` (at least one call; 0: one call), the entries taking turns rep by rep.
 
-    Each timed call comes after untimed calls of its own entry lasting ``settle_ms`` (at
-    least one). A kernel's speed depends on what ran before it: an H100 near its power
-    limit (SDPA's math backend, a dense matmul) runs the next kernels at lower clocks for
-    a while. Timed straight after another entry, a kernel was charged with its
-    neighbour's power: at d = 128, N = 2048, causal, the kernel that followed SDPA-math's
-    backward measured up to 23% slower than beside one other entry, and one settling call
-    (about 0.5 ms) was not enough (kernels_cu/NOTES.md, "Timing").
+    Each timed window comes after untimed calls of its own entry lasting ``settle_ms``
+    (at least one). A kernel's speed depends on what ran before it: a Hopper card at its
+    power limit sets its clock from the power drawn over the last tens of milliseconds,
+    so a kernel timed within ~100 ms of another inherits that one's clock. On an H200 at
+    its 700 W cap (d = 128, N = 4k), cuDNN's and flashsim's forwards ran 10% faster in
+    the first 30 ms after SDPA-flash's (which draws less power a cycle) than after 300 ms
+    of their own calls, and 3% slower right after cuDNN's backward; both settled within
+    100–300 ms (kernels_cu/NOTES.md, v47). With 10 ms of settling each implementation
+    was timed at its predecessor's clock. Earlier, on an H100, the kernel that followed
+    SDPA-math's backward measured up to 23% slower (NOTES, "Timing").
 
-    ``queued`` (the default): the timed call is queued behind its settling calls, as a
-    training loop's calls queue behind each other, so the events time the GPU's work
+    ``queued`` (the default): the timed window is queued behind the settling calls, as
+    a training loop's calls queue behind each other, so the events time the GPU's work
     alone and the host's is hidden (while it issues calls faster than the GPU runs them;
-    ``host`` gets that cost). Otherwise the timed call starts on an idle stream after a
-    synchronize, host-side launch cost included; on an H200 such a call measured
-    0.1–0.3 ms above the same kernels queued, by an amount that differed between
-    implementations and from run to run (kernels_cu/NOTES.md, v46). ``host``, a dict,
-    gets per key the microseconds of host time per call of each settling loop."""
+    ``host`` gets that cost). Otherwise the window starts on an idle stream after a
+    synchronize, host-side launch cost included; on an H200 a single call timed so
+    measured 0.1–0.3 ms above the same kernels queued (NOTES, v46). ``host``, a dict,
+    gets per key the microseconds of host time per call over the first ~10 ms of each
+    settling loop (later calls may wait for room in the launch queue)."""
     import contextlib
     import time
 
-    def timed_call(key, fn, ctx, untimed):
-        """``untimed`` calls of fn, then one call timed (ms)."""
+    def timed_call(key, fn, ctx, untimed, timed, host_calls=0):
+        """``untimed`` calls of fn, then ``timed`` calls timed (ms per call)."""
         with (ctx() if ctx else contextlib.nullcontext()):
             t0 = time.perf_counter()
-            for _ in range(untimed):
+            for i in range(untimed):
                 fn()
-            if host is not None and key is not None and untimed:
-                host.setdefault(key, []).append((time.perf_counter() - t0) / untimed * 1e6)
+                if host is not None and key is not None and i + 1 == host_calls:
+                    host.setdefault(key, []).append(
+                        (time.perf_counter() - t0) / host_calls * 1e6)
             if not queued:
                 cp.cuda.Device().synchronize()
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record()
-            fn()
+            for _ in range(timed):
+                fn()
             stop.record()
             stop.synchronize()
-        return cp.cuda.get_elapsed_time(start, stop)
-    # the warm-up's last call sizes each entry's settling calls
-    settle = {}
+        return cp.cuda.get_elapsed_time(start, stop) / timed
+    # the warm-up's last call sizes each entry's settling calls and window
+    calls = {}
     for key, (fn, ctx) in fns.items():
-        timed_call(None, fn, ctx, warmup)
-        settle[key] = max(1, math.ceil(settle_ms / max(timed_call(None, fn, ctx, 0), 1e-3)))
+        timed_call(None, fn, ctx, warmup, 1)
+        ms = max(timed_call(None, fn, ctx, 0, 1), 1e-3)
+        calls[key] = (max(1, math.ceil(settle_ms / ms)), max(1, math.ceil(window_ms / ms)),
+                      max(1, math.ceil(10.0 / ms)))
     times = {key: [] for key in fns}
     for _ in range(reps):
         for key, (fn, ctx) in fns.items():
-            times[key].append(timed_call(key, fn, ctx, settle[key]))
+            settle, window, host_calls = calls[key]
+            times[key].append(timed_call(key, fn, ctx, settle, window,
+                                         min(settle, host_calls)))
     return times
 
 
@@ -124,10 +135,14 @@ def _dtypes(text):
 def main(argv=None, default_out: str = "bench", prog: str | None = None):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--settle-ms", type=float, default=10.0,
-                    help="untimed calls of the same implementation before each timed one, "
-                         "for about this long (at least one call)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--settle-ms", type=float, default=300.0,
+                    help="untimed calls of the same implementation before each timed "
+                         "window, for about this long (at least one call): long enough for "
+                         "a card at its power limit to reach this implementation's clock")
+    ap.add_argument("--window-ms", type=float, default=50.0,
+                    help="each rep times as many calls as take about this long (at least "
+                         "one; 0: one call) and reports the time per call")
     ap.add_argument("--dtypes", default=None, type=_dtypes,
                     help="float16, bfloat16 or both, comma-separated (default: both)")
     ap.add_argument("--resume", action="store_true",
@@ -194,10 +209,11 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
             "cupy": cp.__version__, "torch": torch.__version__ if have_torch else None,
             "python": platform.python_version(), "tokens": TOKENS, "hidden": HIDDEN,
             "timing": f"CUDA events, median of {a.reps} after 3 warm-ups, implementations "
-                      f"interleaved, each timed call after {a.settle_ms:g} ms of untimed calls "
-                      f"of its own, " + ("on an idle stream after a synchronize (host time "
-                                         "included)" if a.idle else "queued behind them (GPU "
-                                         "time; host µs per call apart)")}
+                      f"interleaved, each rep a window of ~{a.window_ms:g} ms of calls (time "
+                      f"per call) after {a.settle_ms:g} ms of untimed calls of its own, "
+                      + ("on an idle stream after a synchronize (host time "
+                         "included)" if a.idle else "queued behind them (GPU "
+                         "time; host µs per call apart)")}
     json_path = os.path.join(a.out, "bench.json")
     if a.resume and os.path.exists(json_path):
         rows = json.load(open(json_path))["rows"]
@@ -290,7 +306,7 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                 o, (qg, kg, vg), do, retain_graph=True), ctx)
         host = {}
         reps = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms, queued=not a.idle,
-                           host=host)
+                           host=host, window_ms=a.window_ms)
         for name in dict.fromkeys(n for n, _ in fns):
             add(name, reps[name, "fwd"], reps.get((name, "bwd")), host.get((name, "fwd")),
                 host.get((name, "bwd")))

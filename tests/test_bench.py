@@ -8,8 +8,8 @@ from flashsim.bench import interleaved
 
 
 class FakeCuPy:
-    """Records the order of calls, synchronizes and event records; every timed span is
-    1 ms."""
+    """Records the order of calls, synchronizes and event records; every call takes
+    1 ms, so a span between two events lasts as many ms as calls were made in it."""
 
     def __init__(self):
         self.log = []
@@ -18,6 +18,7 @@ class FakeCuPy:
         class Event:
             def record(self):
                 cp.log.append("record")
+                self.at = len(cp.log)
 
             def synchronize(self):
                 cp.log.append("event-sync")
@@ -25,24 +26,36 @@ class FakeCuPy:
         class Device:
             def synchronize(self):
                 cp.log.append("device-sync")
-        self.cuda = SimpleNamespace(Event=Event, Device=Device,
-                                    get_elapsed_time=lambda a, b: 1.0)
+        def elapsed(a, b):
+            return float(sum(x in ("a", "b") for x in cp.log[a.at:b.at]))
+        self.cuda = SimpleNamespace(Event=Event, Device=Device, get_elapsed_time=elapsed)
 
 
 @pytest.mark.parametrize("queued", [True, False])
-def test_the_timed_call_is_queued_behind_its_settling_calls_or_starts_on_an_idle_stream(queued):
-    """Queued (the default): the settling calls, then the start event, the call and the
-    stop event, no synchronize between, so the events time the GPU's work; otherwise a
-    synchronize before the start event. Each entry settles for settle_ms of its own calls
-    (here 5 calls of 1 ms), the entries take turns rep by rep, and ``host`` gets one host
-    time per rep and entry."""
+def test_each_window_is_queued_behind_its_settling_calls_or_starts_on_an_idle_stream(queued):
+    """Queued (the default): the settling calls, then the start event, the window's calls
+    and the stop event, no synchronize between, so the events time the GPU's work;
+    otherwise a synchronize before the start event. Each entry settles for settle_ms of
+    its own calls (here 5 calls of 1 ms) and times window_ms of them (3 calls) per rep,
+    reported per call; the entries take turns rep by rep, and ``host`` gets one host time
+    per rep and entry."""
     cp = FakeCuPy()
     fns = {k: (lambda k=k: cp.log.append(k), None) for k in ("a", "b")}
     host = {}
-    times = interleaved(cp, fns, reps=2, warmup=1, settle_ms=5.0, queued=queued, host=host)
+    times = interleaved(cp, fns, reps=2, warmup=1, settle_ms=5.0, queued=queued, host=host,
+                        window_ms=3.0)
     assert times == {"a": [1.0, 1.0], "b": [1.0, 1.0]}
     assert set(host) == {"a", "b"} and all(len(v) == 2 and min(v) >= 0 for v in host.values())
-    # the reps: a's five settling calls and its timed one, then b's, twice
-    tail = cp.log[-4 * 9:] if queued else cp.log[-4 * 10:]
-    one = ["a"] * 5 + ([] if queued else ["device-sync"]) + ["record", "a", "record", "event-sync"]
-    assert tail == (one + [x.replace("a", "b") for x in one]) * 2
+    # the reps: a's five settling calls and its timed three, then b's, twice
+    one = (["a"] * 5 + ([] if queued else ["device-sync"]) + ["record"] + ["a"] * 3
+           + ["record", "event-sync"])
+    assert cp.log[-4 * len(one):] == (one + [x.replace("a", "b") for x in one]) * 2
+
+
+def test_a_window_of_zero_times_one_call_and_settling_takes_at_least_one():
+    """window_ms=0 and settle_ms=0: one untimed call, then one timed call, per rep."""
+    cp = FakeCuPy()
+    fns = {"a": (lambda: cp.log.append("a"), None)}
+    times = interleaved(cp, fns, reps=3, warmup=1, settle_ms=0.0, window_ms=0.0)
+    assert times == {"a": [1.0, 1.0, 1.0]}
+    assert cp.log[-3 * 5:] == ["a", "record", "a", "record", "event-sync"] * 3
