@@ -123,6 +123,20 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=300.0, queued=True, host=None
     return times
 
 
+def _reps(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: --reps takes at least 1 (the median of the reps)")
+    return n
+
+
+def _ms(text):
+    ms = float(text)
+    if not ms >= 0:      # NaN too
+        raise argparse.ArgumentTypeError(f"{text}: milliseconds are 0 or more (0: one call)")
+    return ms
+
+
 def _dtypes(text):
     out = text.split(",")
     bad = [x for x in out if x not in ("float16", "bfloat16")]
@@ -135,12 +149,12 @@ def _dtypes(text):
 def main(argv=None, default_out: str = "bench", prog: str | None = None):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--settle-ms", type=float, default=300.0,
+    ap.add_argument("--reps", type=_reps, default=5)
+    ap.add_argument("--settle-ms", type=_ms, default=300.0,
                     help="untimed calls of the same implementation before each timed "
                          "window, for about this long (at least one call): long enough for "
                          "a card at its power limit to reach this implementation's clock")
-    ap.add_argument("--window-ms", type=float, default=50.0,
+    ap.add_argument("--window-ms", type=_ms, default=50.0,
                     help="each rep times as many calls as take about this long (at least "
                          "one; 0: one call) and reports the time per call")
     ap.add_argument("--dtypes", default=None, type=_dtypes,

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashsim.bench import interleaved
+from flashsim.bench import interleaved, main
 
 
 class FakeCuPy:
@@ -59,3 +59,13 @@ def test_a_window_of_zero_times_one_call_and_settling_takes_at_least_one():
     times = interleaved(cp, fns, reps=3, warmup=1, settle_ms=0.0, window_ms=0.0)
     assert times == {"a": [1.0, 1.0, 1.0]}
     assert cp.log[-3 * 5:] == ["a", "record", "a", "record", "event-sync"] * 3
+
+
+@pytest.mark.parametrize("argv, says", [(["--reps", "0"], "at least 1"),
+                                        (["--settle-ms", "-5"], "0 or more"),
+                                        (["--window-ms", "nan"], "0 or more")])
+def test_bad_timing_options_are_refused_before_any_gpu_work(argv, says, capsys):
+    """argparse's error (exit 2) names the option's rule; nothing is timed."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
