@@ -37,6 +37,9 @@ CONFIGS = {  # name: (macros, Q tile rows at d = 64, K/V stages[, K/V tile rows 
     "c3": (("FLASHSIM_WS_CONSUMERS64=3",), 192, 2),
     "c3s3": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_STAGES=3"), 192, 3),
     "c3b64": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_BC64=64"), 192, 2, 64),
+    # every warpgroup runs each of its tile's steps, masked over the tile's rows (NOTES v48)
+    "c3all": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_WG_BOUND=0", "FLASHSIM_WS_WG_MASK=0"), 192, 2),
+    "c3nomask": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_WG_MASK=0"), 192, 2),
 }
 
 

@@ -66,6 +66,22 @@ using namespace wg;
 #ifndef FLASHSIM_WS_RESCALE_LATE
 #define FLASHSIM_WS_RESCALE_LATE 0
 #endif
+// 1: each consumer warpgroup stops at the last K/V tile its own 64 rows see (none for rows
+// past N), and the producer arrives on the slots' "empty" barriers for the warps that skip
+// a step; 0: every warpgroup runs each of the tile's steps (NOTES v48). The softcap/ALiBi
+// instance at D = 64 keeps every step: with the bound its consumers spill, and flashsim.gpu
+// does not launch it (kernels.ws_runs: its tiles are not flash2_fwd_wg's)
+#ifndef FLASHSIM_WS_WG_BOUND
+#define FLASHSIM_WS_WG_BOUND 1
+#endif
+template <int D, bool VAR> __host__ __device__ constexpr bool wg_bound() {
+    return FLASHSIM_WS_WG_BOUND && !(VAR && D == 64);
+}
+// 1: the softmax masks a step's scores only where the warpgroup's own rows meet the band's
+// edge (or N); 0: wherever the tile's rows do
+#ifndef FLASHSIM_WS_WG_MASK
+#define FLASHSIM_WS_WG_MASK 1
+#endif
 // consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
 // two products are short beside its softmax and a third one's work fills the tensor cores
 // while two wait on their softmax chains; two at 96 and 128, whose registers (O's D/2
@@ -124,6 +140,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const unsigned sV = sK + STAGES * TILE_KV;
     __shared__ __align__(8) unsigned long long bars[4 + 4 * STAGES];
     __shared__ int tile_in[2];                       // the tile whose Q_i slot q holds
+    __shared__ int wl_in[3];                         // the producer's: wg_last of its tile
     const unsigned b0 = smem_addr(bars);
     auto fullQ = [&](int q) { return b0 + 8 * q; };
     auto emptyQ = [&](int q) { return b0 + 8 * (2 + q); };
@@ -168,6 +185,18 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         return x;
     };
 
+    // the last K/V tile consumer warpgroup c's own rows see: jlo − 1 where they see none or
+    // lie past N. Rows see one interval of keys, so a warpgroup's steps are the tile's first
+    // ones; the last warpgroup with rows below N sees the tile's last key tile, so some
+    // warpgroup runs every step. The producer and the consumers both compute it
+    auto wg_last = [&](const Tile& x, int c) {
+        if (!wg_bound<D, VAR>()) return x.jhi;
+        const int r = min(64, x.rows - 64 * c);
+        int lo = 0, hi = -1;
+        if (r > 0) band.kv_range(x.i0 + 64 * c, x.i0 + 64 * c + r, nk, Bc, &lo, &hi);
+        return hi < x.jlo ? x.jlo - 1 : min(hi, x.jhi);
+    };
+
     if (threadIdx.x == 0) {
         for (int q = 0; q < 2; ++q) {
             mbar_init(fullQ(q), 1);                  // the producer's arrival, and the bytes
@@ -208,6 +237,20 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                     continue;
                 }
                 fwd_tile_count<T>(io, x.rows, x.jlo, x.jhi, Bc, nk, d, dv);
+                // the warps past their own last tile at step j: the producer frees the
+                // step's slots for them, once it has filled them (so the arrivals count
+                // toward that fill's phase). The bounds wait in shared memory: in
+                // registers they would spill the producer's 24
+                if (wg_bound<D, VAR>())
+#pragma unroll
+                    for (int c = 0; c < CONSUMERS; ++c) wl_in[c] = wg_last(x, c);
+                auto skipping = [&](int j) {
+                    unsigned n = 0;
+                    if (wg_bound<D, VAR>())
+#pragma unroll
+                        for (int c = 0; c < CONSUMERS; ++c) n += j > *(volatile int*)&wl_in[c];
+                    return 4u * n;
+                };
                 // crd: per problem, the column and problem coordinates of row 0 of Q, K, V
                 const int* c6 = crd + 6 * x.p;
                 const int cq = c6[0], zq = c6[1], ck = c6[2], zk = c6[3], cv = c6[4], zv = c6[5];
@@ -224,11 +267,14 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 #pragma unroll
                     for (int cb = 0; cb < D / CL::W; ++cb)
                         tma_load_3d(sK + s * TILE_KV + cb * Bc * CL::RB, &tmK, ck + cb * CL::W, j0, zk, fullK(s));
+                    const unsigned skip = skipping(j);
+                    if (skip) mbar_arrive_n(emptyK(s), skip);
                     mbar_wait(emptyV(s), ph ^ 1);
                     mbar_expect_tx(fullV(s), TILE_KV);   // HBM→SRAM: V_j (Bc·d)
 #pragma unroll
                     for (int cb = 0; cb < D / CL::W; ++cb)
                         tma_load_3d(sV + s * TILE_KV + cb * Bc * CL::RB, &tmV, cv + cb * CL::W, j0, zv, fullV(s));
+                    if (skip) mbar_arrive_n(emptyV(s), skip);
                 }
             }
         }
@@ -237,7 +283,9 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 
     // -- the consumers: warpgroup cw owns query rows 64·cw … 64·cw + 63 of each tile ---
     if (FLASHSIM_WS_SETMAXNREG) setmaxnreg_inc<consumer_regs<D>()>();
-    const int cw = grp - 1;
+    // (through a shuffle, which ptxas knows gives every lane the same value: then the
+    // bounds, slots and descriptors that follow from it stay in uniform registers)
+    const int cw = __shfl_sync(0xffffffffu, grp, 0) - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
@@ -306,9 +354,12 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             wgmma_commit();
         };
         // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
+        // (its mask test over the warpgroup's 64 rows, or the tile's Br: the same scores)
+        constexpr int BrM = FLASHSIM_WS_WG_MASK ? 64 : Br, W0 = FLASHSIM_WS_WG_MASK ? 64 : 0;
         auto softmax = [&](int j, float& a0, float& a1) {
-            wg_softmax<Bc, Br, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
-                                    sl2, k_in, k_out, VAR && slopes != nullptr ? slopes[p] : 0.f);
+            wg_softmax<Bc, BrM, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0 + cw * W0, r0 - cw * W0, tig,
+                                     nq, nk, band, sl2, k_in, k_out,
+                                     VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
         auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
 
@@ -319,6 +370,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         auto slot = [&](int j) { return (nb + j - jlo) % STAGES; };
         auto parity = [&](int j) { return (unsigned)((nb + j - jlo) / STAGES) & 1; };
         mbar_wait(fullQ(kq & 1), (kq >> 1) & 1);
+        // this warpgroup's steps: jlo … wl (none where wl < jlo); the producer frees the
+        // slots of the rest for it, and it takes their turns after its epilogue
+        const int wl = wg_last(tl, cw);
+        if (wl >= jlo) {
         mbar_wait(fullK(slot(jlo)), parity(jlo));
         turn_wait();
         wgmma_fence();
@@ -344,7 +399,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                 o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
             }
         };
-        for (int j = jlo + 1; j <= jhi; ++j) {
+        for (int j = jlo + 1; j <= wl; ++j) {
             const int sn = slot(j), sp = slot(j - 1);
             mbar_wait(fullK(sn), parity(j));
             mbar_wait(fullV(sp), parity(j - 1));
@@ -374,9 +429,9 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             pack_p();
         }
         {
-            const int sl = slot(jhi);
-            mbar_wait(fullV(sl), parity(jhi));
-            if (!FLASHSIM_WS_RESCALE_LATE && jhi > jlo) rescale();
+            const int sl = slot(wl);
+            mbar_wait(fullV(sl), parity(wl));
+            if (!FLASHSIM_WS_RESCALE_LATE && wl > jlo) rescale();
             fence_regs<D / 2>(o);
             turn_wait();
             wgmma_fence();
@@ -386,12 +441,20 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             fence_regs<D / 2>(o);
             release(emptyV(sl));
         }
+        }
 
         // finish: reduce ℓ over the quad, divide once, write O_i and L_i (through Q_i's
-        // slot, whose products are done), then free the slot for the producer
+        // slot, whose products are done; O = 0 and L = −∞ for rows that saw no key), then
+        // free the slot for the producer
         wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
         __syncwarp();
         release(emptyQ(kq & 1));
+        // the turns of the steps past wl: a tile has jhi − jlo + 2 (the first S, a step per
+        // later tile, the last P V)
+        for (int t = wl < jlo ? jlo - 2 : wl; t < jhi; ++t) {
+            turn_wait();
+            turn_pass();
+        }
         nb += jhi - jlo + 1;
     }
     // the last warpgroup's last pass (or, with no tile seen, the first arrival) is

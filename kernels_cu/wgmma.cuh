@@ -409,6 +409,11 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
+// `count` arrivals at once (the copy-engine forward's producer, for consumer warps that
+// skip a step)
+__device__ __forceinline__ void mbar_arrive_n(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
 // wait until the phase of this parity has completed (a fresh barrier is in phase 0, so
 // waiting on parity 1 returns at once: "the previous phase" of an empty slot)
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {

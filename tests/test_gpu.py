@@ -324,6 +324,37 @@ def test_numpy_in_cupy_out_and_errors():
         fs.gpu.attention(q, k, v, kernel="fast")
 
 
+def test_cupy_bfloat16_in_cupy_bfloat16_out():
+    """CuPy arrays of CuPy's bfloat16 (CuPy 14 on) give results of that dtype, forward and
+    backward: the values, not their 16 bits as int16."""
+    import cupy as cp
+    try:
+        bf16 = np.dtype("bfloat16")
+        q, k, v, do = (cp.asarray(np.random.default_rng(s).standard_normal((2, 40, 64)))
+                       .astype(bf16) for s in range(4))
+    except TypeError:
+        pytest.skip("this CuPy has no bfloat16")
+    out, lse = fs.gpu.attention(q, k, v, causal=True)
+    assert out.dtype == bf16 and lse.dtype == cp.float32
+    f64 = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v)]
+    ref = fs.attention_reference(*f64, causal=True)[0]
+    np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), ref, atol=2e-2)
+    # (deterministic: the same bits run to run, for the comparison below)
+    grads = fs.gpu.attention_backward(q, k, v, out, lse, do, causal=True, deterministic=True)
+    refs = fs.attention_backward_reference(*f64, cp.asnumpy(do).astype(np.float64), causal=True)
+    for g, r in zip(grads, refs):
+        assert g.dtype == bf16
+        np.testing.assert_allclose(cp.asnumpy(g).astype(np.float64), r, atol=0.1 + 0.05 * np.abs(r).max())
+    if HAVE_TORCH:   # the same bits as PyTorch bfloat16 tensors get
+        import torch
+        tq, tk, tv, tdo = (torch.from_dlpack(x.view(cp.int16)).view(torch.bfloat16) for x in (q, k, v, do))
+        tout, tlse = fs.gpu.attention(tq, tk, tv, causal=True)
+        tgrads = fs.gpu.attention_backward(tq, tk, tv, tout, tlse, tdo, causal=True,
+                                           deterministic=True)
+        for a, b in zip((out, *grads), (tout, *tgrads)):
+            assert bool((a.view(cp.int16) == cp.from_dlpack(b.view(torch.int16))).all())
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
 def test_torch_in_torch_out_without_copy():
     check_torch_in_torch_out("cuda", (1, 4, 77, 64))
@@ -646,6 +677,47 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
         assert np.array_equal(host(a), host(b))
     assert np.isfinite(host(ws[0])).all()
     assert ws_io[2] == wg_io[2]
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d", (64, 128))
+def test_the_tma_forwards_warpgroups_stop_at_their_own_last_key_tile(monkeypatch, d):
+    """Each consumer warpgroup of flash2_fwd_ws runs only the steps its own 64 rows see
+    (none for rows past N: Nq = 100, 320 and 2048 at d = 64, 130 at 128 leave a warpgroup
+    of the last tile wholly past N), and masks a step only where its own rows meet the
+    band: the same bits, and counted bytes, as the build in which every warpgroup runs all
+    of its tile's steps (FLASHSIM_WS_WG_BOUND=0, FLASHSIM_WS_WG_MASK=0), causal, windowed
+    and not, with CTAs walking several tiles (5 SMs pretended)."""
+    import cupy as cp
+    from flashsim.gpu import flash2, _device
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    monkeypatch.setattr(_device, "num_sms", lambda device: 5)
+    rng = np.random.default_rng(d)
+    cases = []
+    for Nq, Nk in ((100, 100), (320, 320), (130, 517), (2048, 2048)):
+        q, k, v = (cp.asarray(rng.standard_normal((1, 2, n, d)).astype(np.float16))
+                   for n in (Nq, Nk, Nk))
+        cases += [(q, k, v, kw) for kw in (dict(), dict(causal=True), dict(window=(50, 20)))]
+
+    def run():
+        monkeypatch.setattr(flash2, "_PLANS", {})
+        _device.module.cache_clear()
+        _device.kernel_on.cache_clear()
+        return [fs.gpu.attention(q, k, v, count_io=io, **kw)
+                for q, k, v, kw in cases for io in (False, True)]
+    try:
+        bound = run()
+        real = _device.compile_options
+        monkeypatch.setattr(_device, "compile_options", lambda count_io: real(count_io) + (
+            "-DFLASHSIM_WS_WG_BOUND=0", "-DFLASHSIM_WS_WG_MASK=0"))
+        every = run()
+    finally:     # no kernel built with those macros stays in the caches
+        _device.module.cache_clear()
+        _device.kernel_on.cache_clear()
+    for a, b in zip(bound, every):
+        assert all(np.array_equal(host(x), host(y)) for x, y in zip(a[:2], b[:2]))
+        assert a[2:] == b[2:]
+        assert np.isfinite(host(a[0])).all()
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")

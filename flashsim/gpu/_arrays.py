@@ -213,7 +213,9 @@ def _order(strides) -> tuple | None:
 
 def out(cp, arr, dtype: str, as_torch: bool):
     if not as_torch:
-        return arr
+        # bfloat16 arrays came in as CuPy's own bfloat16 (CuPy 14 on, through ml_dtypes):
+        # the result goes back in that dtype, not as the int16 bits the kernels wrote
+        return arr.view(np.dtype("bfloat16")) if dtype == "bfloat16" and arr.dtype == np.int16 else arr
     t = TORCH_OUTPUTS.get(dev.pointer(arr)) if arr.size else None
     if t is not None and t.numel() == arr.size:
         item = arr.itemsize
