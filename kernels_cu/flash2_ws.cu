@@ -31,7 +31,11 @@
 //                          in two slots: the producer loads the next tile's Q_i and first
 //                          K_j, V_j while the consumers finish this one, and the turns run
 //                          on across tiles; in the grid's order without a band (NOTES
-//                          v44), from a tile counter under one, heaviest first (v45).
+//                          v44), from a tile counter under one, heaviest first (v45);
+//                        - each consumer warpgroup runs only the steps its own 64 rows see
+//                          (none for rows past N), the producer freeing the K/V slots of
+//                          the rest for it, and masks only where its rows meet the band
+//                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
