@@ -145,6 +145,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     __shared__ __align__(8) unsigned long long bars[4 + 4 * STAGES];
     __shared__ int tile_in[2];                       // the tile whose Q_i slot q holds
     __shared__ int wl_in[3];                         // the producer's: wg_last of its tile
+    static_assert(CONSUMERS <= 3, "wl_in holds three consumer warpgroups' bounds");
     const unsigned b0 = smem_addr(bars);
     auto fullQ = [&](int q) { return b0 + 8 * q; };
     auto emptyQ = [&](int q) { return b0 + 8 * (2 + q); };
