@@ -40,6 +40,8 @@ CONFIGS = {  # name: (macros, Q tile rows at d = 64, K/V stages[, K/V tile rows 
     # every warpgroup runs each of its tile's steps, masked over the tile's rows (NOTES v48)
     "c3all": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_WG_BOUND=0", "FLASHSIM_WS_WG_MASK=0"), 192, 2),
     "c3nomask": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_WG_MASK=0"), 192, 2),
+    # O through the consumers' 16-byte stores, not the copy engine (NOTES v49)
+    "c3o16": (("FLASHSIM_WS_CONSUMERS64=3", "FLASHSIM_WS_O_TMA=0"), 192, 2),
 }
 
 

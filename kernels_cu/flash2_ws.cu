@@ -86,6 +86,12 @@ template <int D, bool VAR> __host__ __device__ constexpr bool wg_bound() {
 #ifndef FLASHSIM_WS_WG_MASK
 #define FLASHSIM_WS_WG_MASK 1
 #endif
+// 1: O_i leaves through the copy engine (wgmma.cuh's wg_store_o_tma: a TMA store of each
+// warpgroup's rows from Q_i's slot, issued by one thread); 0: the consumers' 16-byte
+// stores (wg_store_o16)
+#ifndef FLASHSIM_WS_O_TMA
+#define FLASHSIM_WS_O_TMA 1
+#endif
 // consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
 // two products are short beside its softmax and a third one's work fills the tensor cores
 // while two wait on their softmax chains; two at 96 and 128, whose registers (O's D/2
@@ -109,8 +115,14 @@ template <int D> __host__ __device__ constexpr int bc() { return D == 64 ? FLASH
 template <int D> __host__ __device__ constexpr int min_blocks() { return D == 64 ? FLASHSIM_WS_MINB64 : 1; }
 // the registers the launch bounds give each thread (65536 per SM over threads·min_blocks,
 // in multiples of 8), and their split: the producer keeps 24, the consumers take the rest
+// (the instrumented build's producer, which also counts the tiles' bytes, keeps 32: at 24
+// it spilled 8 bytes once O left through the copy engine)
 template <int D> __host__ __device__ constexpr int launch_regs() { return (65536 / (threads<D>() * min_blocks<D>())) & ~7; }
+#ifdef FLASHSIM_COUNT_IO
+constexpr int PRODUCER_REGS = 32;
+#else
 constexpr int PRODUCER_REGS = 24;
+#endif
 template <int D> __host__ __device__ constexpr int consumer_regs() {
     return ((launch_regs<D>() * (1 + consumers<D>()) - PRODUCER_REGS) / consumers<D>()) & ~7;
 }
@@ -120,7 +132,8 @@ template <int D> __host__ __device__ constexpr int consumer_regs() {
 template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(ws::threads<D>(), ws::min_blocks<D>())
 flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,
-              const __grid_constant__ wg::TensorMap tmV, const int* __restrict__ crd,
+              const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmO,
+              const int* __restrict__ crd,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
               int Nq, int Nk, int ldo, int d, int dv, int left, int right, float scale_log2,
               float k_in, float k_out, const float* __restrict__ slopes, unsigned long long* io,
@@ -257,7 +270,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                     return 4u * n;
                 };
                 // crd: per problem, the column and problem coordinates of row 0 of Q, K, V
-                const int* c6 = crd + 6 * x.p;
+                // (and O: the consumers')
+                const int* c6 = crd + 8 * x.p;
                 const int cq = c6[0], zq = c6[1], ck = c6[2], zk = c6[3], cv = c6[4], zv = c6[5];
                 mbar_expect_tx(fullQ(q), TILE_Q);    // HBM→SRAM: Q_i (Br·d)
 #pragma unroll
@@ -451,9 +465,14 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // finish: reduce ℓ over the quad, divide once, write O_i and L_i (through Q_i's
         // slot, whose products are done; O = 0 and L = −∞ for rows that saw no key), then
         // free the slot for the producer
-        wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
-        __syncwarp();
-        release(emptyQ(kq & 1));
+        if (FLASHSIM_WS_O_TMA) {
+            wg_store_o_tma<T, D, Br>(o, sQ, &tmO, crd[8 * p + 6], crd[8 * p + 7], i0, cw, L + q_row, l0, l1,
+                                     m0, m1, r0, tig, rows, dv, emptyQ(kq & 1));
+        } else {
+            wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
+            __syncwarp();
+            release(emptyQ(kq & 1));
+        }
         // the turns of the steps past wl: a tile has jhi − jlo + 2 (the first S, a step per
         // later tile, the last P V)
         for (int t = wl < jlo ? jlo - 2 : wl; t < jhi; ++t) {
@@ -465,6 +484,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // the last warpgroup's last pass (or, with no tile seen, the first arrival) is
     // taken, so that no arrival is left on a barrier at the end
     if (cw == 0) turn_wait();
+    // O's last stores written before the CTA's end (wg_store_o_tma's threads)
+    if (FLASHSIM_WS_O_TMA && (threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #else
     // built for a target without wgmma: flashsim.gpu launches this kernel only on sm_90a
     __trap();

@@ -433,6 +433,14 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, 
                  :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
                  : "memory");
 }
+// a box of a 3-D tensor map from shared memory at src (laid out, and swizzled, as
+// tma_load_3d writes a box) to global memory, in the thread's bulk group: the copy engine
+// writes only the box's elements inside the tensor
+__device__ __forceinline__ void tma_store_3d(const TensorMap* map, int c0, int c1, int c2, unsigned src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                 : "memory");
+}
 // bytes (a multiple of 16) of fp32 at dst in global memory += those at src in shared
 // memory (both 16-byte aligned), added in L2 by the copy engine (a bulk reduce-add, no
 // tensor map: flash2_bwd_ws's dQ blocks, common.cuh's dq_tiled_at)
@@ -458,6 +466,58 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// The copy-engine forward's epilogue through the copy engine: a warpgroup's 64 rows of O_i,
+// divided by ℓ and rounded to T, go into its rows of the Q tile at sQ (wg_store_o16's
+// layout: the swizzle a TMA box of them reads), each writing thread fences them for the
+// async proxy, and once the warpgroup's 128 threads have (named barrier 4 + cw), its
+// first thread has the copy engine store them, a box of CL::W columns × 64 rows per column
+// block, through tmO (O's tensor map: (columns, rows Nq, problems), the warpgroup's rows
+// from row i0 + 64·cw at column co of problem zo; rows past Nq and columns past dv lie
+// outside it and are not written). Each warp's first lane arrives on empty_bar, that
+// thread once the copy engine has read the slot. L_i as wg_store_o writes it.
+template <typename T, int D, int Br>
+__device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, const TensorMap* tmO,
+                                               int co, int zo, int i0, int cw, float* Li,
+                                               float l0, float l1, float m0, float m1, int r0,
+                                               int tig, int rows, int dv, unsigned empty_bar) {
+    using CL = Cols<D>;
+    quad_sum(l0, l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
+        st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
+                      pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
+        st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
+                      pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
+    }
+    fence_proxy_async();
+    named_sync(4 + cw, 128);
+    if ((threadIdx.x & 127) == 0) {
+        if (rows > 64 * cw) {
+#pragma unroll
+            for (int cb = 0; cb < D / CL::W; ++cb)
+                if (cb * CL::W < dv)
+                    tma_store_3d(tmO, co + cb * CL::W, i0 + 64 * cw, zo,
+                                 sQ + cb * (Br * CL::RB) + cw * 64 * CL::RB);
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // the slot is read
+        mbar_arrive(empty_bar);
+    } else if ((threadIdx.x & 31) == 0) {
+        // the other warps' arrivals, each from the lane that read the tile's index from
+        // the slot's tile_in (an arrival orders its own thread's accesses), count toward
+        // the same phase, which completes only with the first thread's, after the copy
+        mbar_arrive(empty_bar);
+    }
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
 }
 
 }  // namespace wg

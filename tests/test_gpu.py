@@ -721,6 +721,69 @@ def test_the_tma_forwards_warpgroups_stop_at_their_own_last_key_tile(monkeypatch
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (128, 64), (96, 96)])
+def test_the_tma_forward_stores_O_through_the_copy_engine(monkeypatch, d, dv):
+    """flash2_fwd_ws writes O through its own tensor map (wgmma.cuh's wg_store_o_tma: each
+    warpgroup's rows from Q_i's slot, one TMA store per column block): the same bits of O
+    and L, and counted bytes, as the consumers' 16-byte stores (FLASHSIM_WS_O_TMA=0), with
+    O laid out as (B, H, N, dv) and as (B, N, H, dv) (heads side by side in a row: the
+    boxes start mid-row), dv below d (a map dv columns wide: the boxes' columns past it are
+    not written), rows past N in a tile, causal and windowed, CTAs walking tiles (5 SMs
+    pretended); nothing is written outside O (a poisoned frame around it stays)."""
+    import cupy as cp
+    from flashsim.gpu import flash2, _device
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    monkeypatch.setattr(_device, "num_sms", lambda device: 5)
+    rng = np.random.default_rng(d + dv)
+    cases = []
+    for Nq, Nk in ((100, 100), (130, 517), (1000, 1000)):
+        for bnhd in (False, True):
+            shp = (2, Nq, 3, d) if bnhd else (2, 3, Nq, d)
+            q = cp.asarray(rng.standard_normal(shp).astype(np.float16))
+            q = q.transpose(0, 2, 1, 3) if bnhd else q
+            k, v = (cp.asarray(rng.standard_normal((2, 3, Nk, w)).astype(np.float16))
+                    for w in (d, dv))
+            cases += [(q, k, v, kw) for kw in (dict(), dict(causal=True), dict(window=(50, 20)))]
+
+    def run():
+        monkeypatch.setattr(flash2, "_PLANS", {})
+        _device.module.cache_clear()
+        _device.kernel_on.cache_clear()
+        return [fs.gpu.attention(q, k, v, count_io=io, **kw)
+                for q, k, v, kw in cases for io in (False, True)]
+    tma = run()
+    real = _device.compile_options
+    try:
+        monkeypatch.setattr(_device, "compile_options",
+                            lambda count_io: real(count_io) + ("-DFLASHSIM_WS_O_TMA=0",))
+        stores = run()
+    finally:     # no kernel built with that macro stays in the caches or is built below
+        monkeypatch.setattr(_device, "compile_options", real)
+        _device.module.cache_clear()
+        _device.kernel_on.cache_clear()
+    for a, b in zip(tma, stores):
+        assert all(np.array_equal(host(x), host(y)) for x, y in zip(a[:2], b[:2]))
+        assert a[2:] == b[2:]
+        assert np.isfinite(host(a[0])).all()
+    # the output alone is written: O inside a larger poisoned buffer (as the GPU tests'
+    # poisoning allocator gives it) keeps the rest
+    monkeypatch.setattr(flash2, "_PLANS", {})
+    q, k, v, kw = cases[6]                              # Nq = 130 (B, H, N, dv), no mask
+    frame = cp.full(2 * 3 * 130 * dv + 4096, 4096.0, cp.float16)     # (exact in fp16)
+    real_empty = flash2.arrays.empty
+
+    def framed(cp_, shape, dtype, torch_dtype=None, like=None):
+        if len(shape) == 4 and shape[-1] == dv and torch_dtype is None:
+            n = int(np.prod(shape))
+            return frame[2048:2048 + n].view(dtype).reshape(shape)
+        return real_empty(cp_, shape, dtype, torch_dtype, like)
+    monkeypatch.setattr(flash2.arrays, "empty", framed)
+    out = fs.gpu.attention(q, k, v, **kw)[0]
+    assert bool((frame[:2048] == 4096.0).all()) and bool((frame[2048 + out.size:] == 4096.0).all())
+    assert np.array_equal(host(out), host(tma[12][0]))
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("d,kw", [
     (d, kw) for d in (64, 128)
     for kw in (dict(), dict(softcap=20.0), dict(alibi_slopes=[0.25, 0.5, 0.125]),

@@ -1,7 +1,7 @@
 """The Hopper kernels' tensor maps (flashsim/gpu/_tma.py): every layout the row table
 describes is either decomposed exactly (at[p] = z_p·zs + c_p, the columns inside a row)
-or refused, so flash2_fwd_ws and flash2_bwd_ws never read a row the table does not
-name."""
+or refused, so flash2_fwd_ws and flash2_bwd_ws never read (nor, O, write) a row the
+table does not name."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,8 @@ class Strided:
 
 
 def table(q, k, shape):
-    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (k, "k")}
+    # O laid out as q is (flashsim allocates it so: _arrays.empty(like=q))
+    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (k, "k"), A.AT_O: (q, "q")}
     tab = A.host_table(*A.table_key(shape, cols))
     ld = [0] * A.AT_NUM
     for t, (a, _) in cols.items():
@@ -64,10 +65,10 @@ def test_row_tables_decompose_into_tensor_map_coordinates(layout, B, H, Hk):
         k = Strided((B, Hk, N, d), (Hk * 3 * N * d, 3 * N * d, d, 1))
     shape = Shape(N, N, d, d, (B, H), (B, H), (B, Hk), H // Hk)
     tab, ld = table(q, k, shape)
-    got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d)
+    got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N, A.AT_O: N}, d)
     assert got is not None
     check_exact(tab, ld, got, d)
-    assert [g[2] for g in got[1]] == [N, N, N]     # rows past N: outside the map
+    assert [g[2] for g in got[1]] == [N, N, N, N]  # rows past N: outside the map
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "fused", "sliced"])
@@ -88,20 +89,20 @@ def test_head_dims_below_the_instance_get_maps_as_wide_as_the_tensor(layout, d, 
             return Strided((B, h, N, w), (N * 3 * h * w, w, 3 * h * w, 1))
         return Strided((B, h, N, w), (h * 4 * N * w, 4 * N * w, w, 1))
 
-    q, k, v = arr(H, d), arr(Hk, d), arr(Hk, dv)
+    q, k, v, o = arr(H, d), arr(Hk, d), arr(Hk, dv), arr(H, dv)
     shape = Shape(N, N, d, dv, (B, H), (B, H), (B, Hk), H // Hk)
-    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (v, "k")}
+    cols = {A.AT_Q: (q, "q"), A.AT_K: (k, "k"), A.AT_V: (v, "k"), A.AT_O: (o, "q")}
     tab = A.host_table(*A.table_key(shape, cols))
     ld = [0] * A.AT_NUM
     for t, (a, _) in cols.items():
         ld[t] = a.strides[-2] // a.itemsize
-    widths = {A.AT_Q: d, A.AT_K: d, A.AT_V: dv}
-    got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d, _tma.FORWARD, D,
-                      {A.AT_V: dv})
+    widths = {A.AT_Q: d, A.AT_K: d, A.AT_V: dv, A.AT_O: dv}
+    got = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N, A.AT_O: N}, d, _tma.FORWARD, D,
+                      {A.AT_V: dv, A.AT_O: dv})
     assert got is not None
     check_exact(tab, ld, got, 0, widths=widths)
     # at d = D the maps stay ld columns wide (heads side by side in a row: c_p ≠ 0)
-    full = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d)
+    full = _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N, A.AT_O: N}, d)
     if dv == d:
         check_exact(tab, ld, full, d)
 
@@ -113,11 +114,11 @@ def test_layouts_tma_cannot_address_are_refused():
     q = Strided((1, 2, N, d), (2 * N * 1028, N * 1028, 1028, 1))
     k = Strided((1, 2, N, d), (2 * N * d, N * d, d, 1))
     tab, ld = table(q, k, shape)
-    assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d) is None
+    assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N, A.AT_O: N}, d) is None
     # heads 72 elements apart inside rows of 144: a head's d columns cross the row's end
     q = Strided((1, 2, N, d), (N * 144, 72, 144, 1))
     tab, ld = table(q, k, shape)
-    assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N}, d) is None
+    assert _tma.layout(tab, ld, {A.AT_Q: N, A.AT_K: N, A.AT_V: N, A.AT_O: N}, d) is None
 
 
 def test_the_backward_maps_dO_beside_Q_K_V():

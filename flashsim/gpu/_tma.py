@@ -53,7 +53,7 @@ def _encode():
     return f
 
 
-FORWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V)                 # flash2_fwd_ws's maps
+FORWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O)   # flash2_fwd_ws's maps
 BACKWARD = (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_dO)  # flash2_bwd_ws's
 
 

@@ -598,14 +598,20 @@ class _TmaLaunch:
         if 0 in self.grid:
             return
         if tensors != self.ptrs:    # the same addresses (a training loop's): the same maps
-            dev.check_grid(self.grid)
-            maps = _tma.maps(tensors, self.geoms, self.rows, self.D)
-            if maps is None:
-                raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
-                                   f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
-                                   "flash2_wg.cu's kernel instead")
-            for buf, m in zip(self.maps, maps):
-                ctypes.memmove(buf, m, 128)
+            if self.ptrs is None:
+                dev.check_grid(self.grid)
+            # only the maps whose tensor moved (the forward's O is a new allocation per
+            # call where q, k, v stay)
+            for n, (x, g, r) in enumerate(zip(tensors, self.geoms, self.rows)):
+                if self.ptrs is not None and self.ptrs[n] == x:
+                    continue
+                m = _tma.tensor_map(int(x), g, r, _tma.box_cols(self.D))
+                if m is None:
+                    self.ptrs = None
+                    raise RuntimeError(f"the driver refused the tensor maps of {self.name} "
+                                       f"(geometry {self.geoms}); set FLASHSIM_TMA=0 to run "
+                                       "flash2_wg.cu's kernel instead")
+                ctypes.memmove(self.maps[n], m, 128)
             self.ptrs = tuple(tensors)
         self.set(values)
         self.launch(self.fptr, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem,
@@ -622,12 +628,12 @@ class _WsForward(_TmaLaunch):
     then be the call's. Each launch has its own, so that launches on different streams
     never share one."""
 
-    # tmQ, tmK, tmV | crd, at, O, L | Nq, Nk, ldo, d, dv, left, right | scale·log2e, k_in,
+    # tmQ, tmK, tmV, tmO | crd, at, O, L | Nq, Nk, ldo, d, dv, left, right | scale·log2e, k_in,
     # k_out | slopes, io | problems, chunk | tile_counter
     def __init__(self, kernel, tiles, smem: int, crd, geoms, Br: int, Bc: int, D: int,
                  problems: int, sms: int):
         super().__init__(kernel, "flash2_fwd_ws", (tiles, 1), K.ws_threads(D), smem, geoms,
-                         (Br, Bc, Bc), D, "QQQQiiiiiiifffQQiiQ", crd)
+                         (Br, Bc, Bc, 64), D, "QQQQiiiiiiifffQQiiQ", crd)
         self.args[0].value = crd.data.ptr
         self.args[-3].value = problems
         self.tiles, self.sms, self.Br, self.Bc, self.D = tiles, sms, Br, Bc, D
@@ -654,7 +660,7 @@ class _WsForward(_TmaLaunch):
             ptr = counter.data_ptr() if hasattr(counter, "data_ptr") else counter.data.ptr
             cp.cuda.runtime.memsetAsync(ptr, 0, 4, stream)
         self.args[-1].value = ptr
-        _TmaLaunch.__call__(self, stream, (q, k, v), self.crd.data.ptr, at, O, L)
+        _TmaLaunch.__call__(self, stream, (q, k, v, O), self.crd.data.ptr, at, O, L)
 
 
 class _WsBackwardMain:
@@ -716,15 +722,19 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: d
     if tiles is None:
         return None
     Br, Bc = tiles
-    three = {t: cols[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)}
-    # head dims below D: maps d (dv) columns wide, whose boxes' last columns are zeros
-    got = _tma.plan(arrays.table_key(shape, three), tuple(int(x) for x in ld),
-                    ((arrays.AT_Q, shape.Nq), (arrays.AT_K, shape.Nk), (arrays.AT_V, shape.Nk)),
-                    d, cp.cuda.Device().id, D, ((arrays.AT_V, dv),) if dv != d else ())
+    four = {t: cols[t] for t in _tma.FORWARD}
+    # head dims below D: maps d (dv) columns wide, whose boxes' last columns are zeros (and,
+    # O's, are not written); O leaves through its own map, a box of 64 rows per consumer
+    # warpgroup (flash2_ws.cu's wg_store_o_tma)
+    got = _tma.plan(arrays.table_key(shape, four), tuple(int(x) for x in ld),
+                    ((arrays.AT_Q, shape.Nq), (arrays.AT_K, shape.Nk), (arrays.AT_V, shape.Nk),
+                     (arrays.AT_O, shape.Nq)),
+                    d, cp.cuda.Device().id, D,
+                    ((arrays.AT_V, dv), (arrays.AT_O, dv)) if dv != d else ())
     if got is None:
         return None
     crd, geoms = got
-    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in three), geoms, (Br, Bc, Bc), D) is None:
+    if _tma.maps(tuple(dev.pointer(cols[t][0]) for t in four), geoms, (Br, Bc, Bc, 64), D) is None:
         return None
     name = "flash2_fwd_ws"
     smem = K.smem_bytes(name, Br, Bc, D, D, dtype)
@@ -850,7 +860,7 @@ def _plan_torch_forward(q, k, v, causal, scale, kernel):
         if name == "flash2_fwd_wg":      # fed by the copy engine where TMA addresses them
             ws = _ws_forward(cp, shape, dtype, False, False,
                              {A.AT_Q: (views[0], "q"), A.AT_K: (views[1], "k"),
-                              A.AT_V: (views[2], "k")}, ld)
+                              A.AT_V: (views[2], "k"), A.AT_O: (views[3], "q")}, ld)
         if ws is not None:
             ws.set_tail(Nq, Nk, int(ld[A.AT_O]), d, d, plan.left, plan.right,
                         plan.scale * LOG2E, 0.0, 0.0, 0, plan.io)
