@@ -313,6 +313,34 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
     return v;
 }
+// L_i (natural log) of rows r0, r0 + 8 (of `rows`) from the row max m (log2 domain) and
+// the quad-reduced ℓ: −∞ for a row that saw no key (the forwards' epilogues)
+__device__ __forceinline__ void wg_store_l(float* Li, float l0, float l1, float m0, float m1,
+                                           int r0, int tig, int rows) {
+    if (tig == 0) {
+        constexpr float LN2 = 0.6931471805599453f;
+        const int r1 = r0 + 8;
+        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
+        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
+    }
+}
+// O_i's rows r0, r0 + 8 times 1/ℓ (inv0, inv1), rounded to T, into the same rows of the Q
+// tile at sQ (Br rows in Cols<D>'s swizzled column blocks, the layout a TMA box of them
+// has): the accumulators' columns t·8 + 2·tig, +1 are chunk t of the row
+template <typename T, int D, int Br>
+__device__ __forceinline__ void wg_o_to_shared(const float* o, unsigned sQ, float inv0, float inv1,
+                                               int r0, int tig) {
+    using CL = Cols<D>;
+    const int r1 = r0 + 8;
+#pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
+        st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
+                      pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
+        st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
+                      pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
+    }
+}
 // The forwards' epilogue: ℓ reduced over the quad, O_i's rows r0, r0 + 8 (of `rows`) divided
 // once and written (dv of the instance's D columns, rows ldo apart), and L_i (natural log)
 template <typename T, int D>
@@ -331,11 +359,7 @@ __device__ __forceinline__ void wg_store_o(const float* o, T* Oi, int ldo, float
         if (r1 < rows)
             *reinterpret_cast<unsigned*>(Oi + (long long)r1 * ldo + c) = pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1);
     }
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
-    }
+    wg_store_l(Li, l0, l1, m0, m1, r0, tig, rows);
 }
 
 // The forwards' epilogue through shared memory: a warp's 16 rows of O_i, divided by ℓ and
@@ -359,16 +383,7 @@ __device__ __forceinline__ void wg_store_o16(const float* o, unsigned sQ, T* Oi,
     using CL = Cols<D>;
     quad_sum(l0, l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const int r1 = r0 + 8;
-    // the accumulators' columns t·8 + 2·tig, +1 of rows r0, r1: chunk t of the row
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
-        st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
-                      pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
-        st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
-                      pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
-    }
+    wg_o_to_shared<T, D, Br>(o, sQ, inv0, inv1, r0, tig);
     __syncwarp();
     constexpr int CH = D / 8;                        // 16-byte chunks per row
     const int row0 = r0 - (lane >> 2);               // the warp's first row in the tile
@@ -379,11 +394,7 @@ __device__ __forceinline__ void wg_store_o16(const float* o, unsigned sQ, T* Oi,
         const uint4 v = ld_shared_v4(sQ + (ch / (CL::W / 8)) * (Br * CL::RB) + r * CL::RB + ((c ^ CL::swz(r)) << 4));
         if (r < rows && ch * 8 < dv) *reinterpret_cast<uint4*>(Oi + (long long)r * ldo + ch * 8) = v;
     }
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
-    }
+    wg_store_l(Li, l0, l1, m0, m1, r0, tig, rows);
 }
 
 // -- mbarriers and the tensor memory accelerator (TMA) ----------------------------------
@@ -485,15 +496,7 @@ __device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, cons
     using CL = Cols<D>;
     quad_sum(l0, l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    const int r1 = r0 + 8;
-#pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
-        st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
-                      pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
-        st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
-                      pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
-    }
+    wg_o_to_shared<T, D, Br>(o, sQ, inv0, inv1, r0, tig);
     fence_proxy_async();
     named_sync(4 + cw, 128);
     if ((threadIdx.x & 127) == 0) {
@@ -513,11 +516,7 @@ __device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, cons
         // the same phase, which completes only with the first thread's, after the copy
         mbar_arrive(empty_bar);
     }
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
-    }
+    wg_store_l(Li, l0, l1, m0, m1, r0, tig, rows);
 }
 
 }  // namespace wg
