@@ -689,7 +689,7 @@ def test_the_tma_forwards_warpgroups_stop_at_their_own_last_key_tile(monkeypatch
     of its tile's steps (FLASHSIM_WS_WG_BOUND=0, FLASHSIM_WS_WG_MASK=0), causal, windowed
     and not, with CTAs walking several tiles (5 SMs pretended)."""
     import cupy as cp
-    from flashsim.gpu import flash2, _device
+    from flashsim.gpu import _device
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     monkeypatch.setattr(_device, "num_sms", lambda device: 5)
     rng = np.random.default_rng(d)
@@ -699,25 +699,38 @@ def test_the_tma_forwards_warpgroups_stop_at_their_own_last_key_tile(monkeypatch
                    for n in (Nq, Nk, Nk))
         cases += [(q, k, v, kw) for kw in (dict(), dict(causal=True), dict(window=(50, 20)))]
 
+    _same_bits_as_the_build_with(monkeypatch, cases,
+                                 ("FLASHSIM_WS_WG_BOUND=0", "FLASHSIM_WS_WG_MASK=0"))
+
+
+def _same_bits_as_the_build_with(monkeypatch, cases, macros):
+    """Runs each (q, k, v, kwargs) case, counted and not, with the shipped kernels and
+    with those built with ``macros`` defined, and requires the same bits of O and L and
+    the same counted bytes. Returns the shipped build's results."""
+    from flashsim.gpu import flash2, _device
+
     def run():
         monkeypatch.setattr(flash2, "_PLANS", {})
         _device.module.cache_clear()
         _device.kernel_on.cache_clear()
         return [fs.gpu.attention(q, k, v, count_io=io, **kw)
                 for q, k, v, kw in cases for io in (False, True)]
+    shipped = run()
+    real = _device.compile_options
     try:
-        bound = run()
-        real = _device.compile_options
-        monkeypatch.setattr(_device, "compile_options", lambda count_io: real(count_io) + (
-            "-DFLASHSIM_WS_WG_BOUND=0", "-DFLASHSIM_WS_WG_MASK=0"))
-        every = run()
-    finally:     # no kernel built with those macros stays in the caches
+        monkeypatch.setattr(_device, "compile_options",
+                            lambda count_io: real(count_io) + tuple("-D" + m for m in macros))
+        other = run()
+    finally:     # no kernel built with those macros stays in the caches or is built later
+        monkeypatch.setattr(_device, "compile_options", real)
+        monkeypatch.setattr(flash2, "_PLANS", {})
         _device.module.cache_clear()
         _device.kernel_on.cache_clear()
-    for a, b in zip(bound, every):
+    for a, b in zip(shipped, other):
         assert all(np.array_equal(host(x), host(y)) for x, y in zip(a[:2], b[:2]))
         assert a[2:] == b[2:]
         assert np.isfinite(host(a[0])).all()
+    return shipped
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
@@ -745,26 +758,7 @@ def test_the_tma_forward_stores_O_through_the_copy_engine(monkeypatch, d, dv):
                     for w in (d, dv))
             cases += [(q, k, v, kw) for kw in (dict(), dict(causal=True), dict(window=(50, 20)))]
 
-    def run():
-        monkeypatch.setattr(flash2, "_PLANS", {})
-        _device.module.cache_clear()
-        _device.kernel_on.cache_clear()
-        return [fs.gpu.attention(q, k, v, count_io=io, **kw)
-                for q, k, v, kw in cases for io in (False, True)]
-    tma = run()
-    real = _device.compile_options
-    try:
-        monkeypatch.setattr(_device, "compile_options",
-                            lambda count_io: real(count_io) + ("-DFLASHSIM_WS_O_TMA=0",))
-        stores = run()
-    finally:     # no kernel built with that macro stays in the caches or is built below
-        monkeypatch.setattr(_device, "compile_options", real)
-        _device.module.cache_clear()
-        _device.kernel_on.cache_clear()
-    for a, b in zip(tma, stores):
-        assert all(np.array_equal(host(x), host(y)) for x, y in zip(a[:2], b[:2]))
-        assert a[2:] == b[2:]
-        assert np.isfinite(host(a[0])).all()
+    tma = _same_bits_as_the_build_with(monkeypatch, cases, ("FLASHSIM_WS_O_TMA=0",))
     # the output alone is written: O inside a larger poisoned buffer (as the GPU tests'
     # poisoning allocator gives it) keeps the rest
     monkeypatch.setattr(flash2, "_PLANS", {})
