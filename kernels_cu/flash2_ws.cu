@@ -732,7 +732,7 @@ bwd_ws(const wg::TensorMap* tmQ, const wg::TensorMap* tmK, const wg::TensorMap* 
     auto rest = [&](int i) {                         // step i from the wait for its Sᵀ to dQ_i's product
         const wgb::Thread<1> th;                     // (from %tid.x where used, per step)
         const int n = i - ilo, s = n % STAGES;
-        wgb::step_mid<T, D, VAR, 1, 1, VAR || D == 64>(th, tile, i, sQ + s * TILE_Q, sdO + s * TILE_Q, sdS + (n & 1) * TILE_dS,
+        wgb::step_mid<T, D, VAR, 1, 1, D == 64>(th, tile, i, sQ + s * TILE_Q, sdO + s * TILE_Q, sdS + (n & 1) * TILE_dS,
                                        sL + s * BrB, sD + s * BrB, dv_acc, dk_acc, s_acc, dp_acc, dq, scale,
                                        k_in, k_out, slope, [&] { mbar_arrive(empty(s)); });
     };

@@ -131,11 +131,10 @@ template <int D> struct DqBlock {
 // 2.–4. up to dQ_i's product, issued and waited for with the rest (s, dp: step_s's and
 // step_dp's accumulators, Sᵀ and dPᵀ the last two groups in flight). read() is called once
 // the products have read Q_i and dO_i (and L_i, D_i). EARLY: wait for dPᵀ with Sᵀ and form
-// dSᵀ beside Pᵀ (VAR's order, the same operations on the same values), so that Pᵀ in fp32
-// is not held across dV_j's issue: flash2_bwd_ws at D = 64, whose 128-query steps would
-// otherwise need more than a consumer's 240 registers.
-template <typename T, int D, bool VAR, int WG0, int BAR, bool EARLY = VAR, typename Slope, typename Read>
-__device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
+// dSᵀ beside Pᵀ (the same operations on the same values), so that neither Pᵀ in fp32 nor
+// the softcap's 1 − tanh² is held across dV_j's issue (step_mid below says when).
+template <typename T, int D, bool VAR, int WG0, int BAR, bool EARLY, typename Slope, typename Read>
+__device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
                                          const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
                                          float* s, float* dp, float* dq, float scale, float k_in, float k_out,
                                          Slope slope, Read read) {
@@ -149,9 +148,6 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
     const int i0 = i * BrB;
     const int j0 = c.j0;
 
-    // VAR waits for dPᵀ too and forms dSᵀ beside Pᵀ: the softcap's 1 − tanh² per score,
-    // kept until dPᵀ landed
-    static_assert(EARLY || !VAR, "the softcap's dSᵀ is formed beside Pᵀ");
     wgmma_wait<EARLY ? 0 : 1>();                     // Sᵀ is done; dPᵀ may run on
     fence_regs<BrB / 2>(s);
     if constexpr (EARLY) fence_regs<BrB / 2>(dp);
@@ -182,9 +178,10 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
                     const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
                     if (key >= c.nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
                 }
-                // dSᵀ through the softcap (th = 0 without)
-                const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
-                dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-tanh_s, tanh_s, 1.f);
+                if constexpr (EARLY) {               // dSᵀ through the softcap (th = 0 without)
+                    const float2 dd = *reinterpret_cast<const float2*>(sDb + t * 8 + tig * 2);
+                    dp[4 * t + e] = s[4 * t + e] * (dp[4 * t + e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-tanh_s, tanh_s, 1.f);
+                }
             }
         }
     } else {
@@ -280,6 +277,25 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
     }
     read();
 }
+// 2.–4. in one of two orders. EARLY (flash2_bwd_ws at D = 64, whose 128-query steps
+// would otherwise need more than a consumer's 240 registers) and a VAR launch with a
+// softcap (whose 1 − tanh² per score would otherwise be held) take the early one; the rest,
+// ALiBi alone included (its dSᵀ needs no tanh), wait for Sᵀ alone and let dPᵀ run on under
+// Pᵀ's exponentials. The two orders are whole copies of the step, each with its own
+// waits: with the waits alone behind the branch, ptxas could not tell which accumulators
+// were in flight and serialised the products (C7514).
+template <typename T, int D, bool VAR, int WG0, int BAR, bool EARLY = false, typename Slope, typename Read>
+__device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
+                                         const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
+                                         float* s, float* dp, float* dq, float scale, float k_in, float k_out,
+                                         Slope slope, Read read) {
+    if (EARLY || (VAR && k_out != 0.f))              // uniform over the launch
+        step_mid_in<T, D, VAR, WG0, BAR, true>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale,
+                                               k_in, k_out, slope, read);
+    else
+        step_mid_in<T, D, VAR, WG0, BAR, false>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale,
+                                                k_in, k_out, slope, read);
+}
 // dQ_i's block, its product done, added to dQacc (or stored to sdQ: SDQ), between the
 // caller's wait and pass (step's); then() runs between the last store and pass (flash2_bwd_ws
 // issues the next step's first product there)
@@ -327,8 +343,9 @@ __device__ __forceinline__ void step(const Tile& c, long long q_row0, int i, uns
     float s[brb<D>() / 2], dp[brb<D>() / 2], dq[DqBlock<D>::QN / 2];
     step_s<T, D, WG0>(th, c, qb, s);
     step_dp<T, D, WG0>(th, c, dob, dp);
-    step_mid<T, D, VAR, WG0, BAR>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale, k_in, k_out,
-                                     slope, read);
+    // (at D = 64 a VAR instance in the late order needs 255 registers and spills)
+    step_mid<T, D, VAR, WG0, BAR, VAR && D == 64>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale,
+                                                   k_in, k_out, slope, read);
     step_dq<T, D, WG0, SDQ>(th, c, q_row0, i, dq, scale, dQacc, d, wait, pass, sdQ);
 }
 
