@@ -813,7 +813,6 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     ws = fs.gpu.attention(qd, kd, vd, **kw)
     ws_io = fs.gpu.attention(qd, kd, vd, count_io=True, **kw)
-    Br = fs.kernels.WS_BLOCKS[d][0]
     assert grids == [(5, 1)] * 2
     assert chunks == [4 if kw.get("causal") or "window" in kw else 1] * 2
     again = fs.gpu.attention(qd, kd, vd, **kw)
