@@ -1,8 +1,12 @@
 """A fuzzed set of launches of every kernel, for compute-sanitizer (not a pytest file).
 
-    for tool in memcheck racecheck initcheck synccheck; do
+    for tool in memcheck racecheck synccheck; do
         compute-sanitizer --tool $tool --error-exitcode 1 python3 tests/gpu_sanitize.py
     done
+    FLASHSIM_TMA=0 compute-sanitizer --tool initcheck --error-exitcode 1 python3 tests/gpu_sanitize.py
+
+(initcheck without the copy engine: it does not count a TMA store as a write, so the Hopper
+forward's O, stored that way, reads as uninitialised wherever the backward reads it.)
 
 (racecheck is the slowest tool: `python3 tests/gpu_sanitize.py 3` runs 3 shapes.)
 
