@@ -16,70 +16,107 @@ PROGRESS = [0]    # arrivals so far: an interleaving that makes none while every
 
 
 class Mbar:
-    def __init__(s, count): s.count, s.got, s.phase = count, 0, 0
-    def arrive(s, n=1):
+    """An mbarrier: ``count`` arrivals complete a phase."""
+
+    def __init__(self, count):
+        self.count, self.got, self.phase = count, 0, 0
+
+    def arrive(self, n=1):
         PROGRESS[0] += 1
-        s.got += n
-        assert s.got <= s.count, "over-arrival"
-        if s.got == s.count: s.got, s.phase = 0, s.phase + 1
-    def done(s, ph): return (s.phase & 1) != ph      # mbar_wait(bar, ph) returns
+        self.got += n
+        assert self.got <= self.count, "over-arrival"
+        if self.got == self.count:
+            self.got, self.phase = 0, self.phase + 1
+
+    def done(self, ph):
+        """Whether mbar_wait(bar, ph) returns."""
+        return (self.phase & 1) != ph
+
 
 class Named:
-    def __init__(s): s.got, s.gen = 0, 0
-    def arrive(s):
+    """A named barrier of two warpgroups (bar.sync's count: the waiter and the passer)."""
+
+    def __init__(self):
+        self.got, self.gen = 0, 0
+
+    def arrive(self):
         PROGRESS[0] += 1
-        s.got += 1
-        assert s.got <= 2, "named barrier over-arrival"
-        if s.got == 2: s.got, s.gen = 0, s.gen + 1
+        self.got += 1
+        assert self.got <= 2, "named barrier over-arrival"
+        if self.got == 2:
+            self.got, self.gen = 0, self.gen + 1
+
 
 def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
-    """One interleaving: 'ok' and each warpgroup's turns, 'deadlock', or 'arrival left'
-    (a barrier not back at rest at the end). ``tiles``: (jlo,
-    jhi, [each warpgroup's last key tile]) per tile of the CTA. frees_skipped=False: a
-    producer that does not arrive for the warpgroups that skip a step (a seeded bug)."""
+    """One interleaving of a CTA's C consumer warpgroups and producer over ``tiles``
+    ((jlo, jhi, [each warpgroup's last key tile]) per tile, in the CTA's order) with
+    STAGES K/V slots: ('ok', each warpgroup's turns), 'deadlock', or 'arrival left' (a
+    barrier not at rest at the end). ``counter``: the consumers read each tile's index
+    from its Q slot (the tile counter's walk). frees_skipped=False: a producer that does
+    not arrive for the warpgroups that skip a step (a seeded bug)."""
     rng = random.Random(seed)
-    fullQ = [Mbar(1), Mbar(1)]; emptyQ = [Mbar(4 * C), Mbar(4 * C)]
-    fullK = [Mbar(1) for _ in range(STAGES)]; emptyK = [Mbar(4 * C) for _ in range(STAGES)]
-    fullV = [Mbar(1) for _ in range(STAGES)]; emptyV = [Mbar(4 * C) for _ in range(STAGES)]
+    fullQ, emptyQ = [Mbar(1), Mbar(1)], [Mbar(4 * C), Mbar(4 * C)]
+    fullK, emptyK = [Mbar(1) for _ in range(STAGES)], [Mbar(4 * C) for _ in range(STAGES)]
+    fullV, emptyV = [Mbar(1) for _ in range(STAGES)], [Mbar(4 * C) for _ in range(STAGES)]
     named = [Named() for _ in range(C + 1)]
     nt = len(tiles)
+
     def W(bar, ph):            # a wait: yield until done
-        while not bar.done(ph): yield
+        while not bar.done(ph):
+            yield
+
     def producer():
         n = 0
         for kq in range(nt + 1):
             q = kq & 1
             yield from W(emptyQ[q], ((kq >> 1) & 1) ^ 1)
-            if kq == nt: fullQ[q].arrive(); return       # the tile counter's end mark
+            if kq == nt:                                 # the tile counter's end mark
+                fullQ[q].arrive()
+                return
             jlo, jhi, wl = tiles[kq]
             fullQ[q].arrive()        # Q_i (its bytes land at once)
-            if jhi < jlo: continue
+            if jhi < jlo:
+                continue
             for j in range(jlo, jhi + 1):
                 s, ph = n % STAGES, (n // STAGES) & 1
                 skip = 4 * sum(j > w for w in wl) if frees_skipped else 0
                 yield from W(emptyK[s], ph ^ 1)
                 fullK[s].arrive()
-                if skip: emptyK[s].arrive(skip)          # for the warpgroups past their bound
+                if skip:                                 # for the warpgroups past their bound
+                    emptyK[s].arrive(skip)
                 yield from W(emptyV[s], ph ^ 1)
                 fullV[s].arrive()
-                if skip: emptyV[s].arrive(skip)
+                if skip:
+                    emptyV[s].arrive(skip)
                 n += 1
     turns = [0] * C
+
     def consumer(cw):
         nxt = 0 if cw + 1 == C else cw + 1
+
         def turn_wait():
             g = named[1 + cw].gen
             named[1 + cw].arrive()
-            while named[1 + cw].gen == g: yield
+            while named[1 + cw].gen == g:
+                yield
             turns[cw] += 1
-        def turn_pass(): named[1 + nxt].arrive()
-        if nxt == 0: named[1].arrive()
+
+        def turn_pass():
+            named[1 + nxt].arrive()
+
+        def turn():                  # issue in turn: wait for it, then pass it on
+            yield from turn_wait()
+            turn_pass()
+
+        if nxt == 0:                 # the last warpgroup lets the first take the first turn
+            named[1].arrive()
         nb = 0
         for kq in range(nt + 1):
             q = kq & 1
             if counter:              # the tile's index, read from its Q slot
                 yield from W(fullQ[q], (kq >> 1) & 1)
-            if kq == nt: break
+            if kq == nt:
+                break
             jlo, jhi, wls = tiles[kq]
             yield from W(fullQ[q], (kq >> 1) & 1)
             if jhi < jlo:            # no visible key: no turns
@@ -90,22 +127,25 @@ def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
             wl = wls[cw]
             if wl >= jlo:
                 yield from W(fullK[slot(jlo)], par(jlo))
-                yield from turn_wait(); turn_pass()      # S_jlo
+                yield from turn()      # S_jlo
                 emptyK[slot(jlo)].arrive(4)
                 for j in range(jlo + 1, wl + 1):         # S_j with P_{j-1} V_{j-1}
-                    yield from W(fullK[slot(j)], par(j)); yield from W(fullV[slot(j - 1)], par(j - 1))
-                    yield from turn_wait(); turn_pass()
-                    emptyK[slot(j)].arrive(4); emptyV[slot(j - 1)].arrive(4)
+                    yield from W(fullK[slot(j)], par(j))
+                    yield from W(fullV[slot(j - 1)], par(j - 1))
+                    yield from turn()
+                    emptyK[slot(j)].arrive(4)
+                    emptyV[slot(j - 1)].arrive(4)
                 yield from W(fullV[slot(wl)], par(wl))
-                yield from turn_wait(); turn_pass()      # the last P V
+                yield from turn()      # the last P V
                 emptyV[slot(wl)].arrive(4)
             emptyQ[q].arrive(4)                          # the epilogue frees Q's slot
             # the turns of the steps skipped (v48): jhi − jlo + 2 per tile for every warpgroup
             for t in range(jlo - 2 if wl < jlo else wl, jhi):
-                yield from turn_wait(); turn_pass()
+                yield from turn()
             nb += jhi - jlo + 1
         if cw == 0:
             yield from turn_wait()
+
     live = {"P": producer()} | {f"C{c}": consumer(c) for c in range(C)}
     stuck, seen = 0, PROGRESS[0]
     while live:
@@ -129,11 +169,14 @@ def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
 
 
 def random_tiles(rng, C, n):
+    """n tiles for run(): some with no visible key, the rest with per-warpgroup bounds."""
     out = []
     for _ in range(n):
         if rng.random() < 0.15:
-            out.append((0, -1, [0] * C)); continue
-        jlo = rng.randrange(0, 4); jhi = jlo + rng.randrange(0, 5)
+            out.append((0, -1, [0] * C))
+            continue
+        jlo = rng.randrange(0, 4)
+        jhi = jlo + rng.randrange(0, 5)
         # warpgroups' bounds (the kernel's grow with c, as rows further down see later
         # keys; any order here): one with rows sees jhi; some past N (jlo − 1)
         k = rng.randrange(1, C + 1)                  # warpgroups with rows
@@ -143,16 +186,18 @@ def random_tiles(rng, C, n):
         out.append((jlo, jhi, wl))
     return out
 
+
 if __name__ == "__main__":
     rng = random.Random(50)
     bad = 0
     N = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
     for it in range(N):
-        C = rng.choice((2, 3)); STAGES = rng.choice((1, 2, 3))
+        C, STAGES = rng.choice((2, 3)), rng.choice((1, 2, 3))
         tiles = random_tiles(rng, C, rng.randrange(1, 6))
         for counter in (0, 1):
             r, info = run(tiles, C, STAGES, counter, it)
             if r != "ok":
                 bad += 1
-                if bad < 6: print("BAD", r, dict(C=C, STAGES=STAGES, counter=counter, tiles=tiles), info)
+                if bad < 6:
+                    print("BAD", r, dict(C=C, STAGES=STAGES, counter=counter, tiles=tiles), info)
     print("bad", bad, "of", N * 2)
