@@ -289,12 +289,17 @@ __device__ __forceinline__ void step_mid(const Thread<WG0>& th, const Tile& c, i
                                          const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
                                          float* s, float* dp, float* dq, float scale, float k_in, float k_out,
                                          Slope slope, Read read) {
-    if (EARLY || (VAR && k_out != 0.f))              // uniform over the launch
+    // (uniform over the launch.) Where EARLY, a VAR step without a softcap still gets a copy
+    // of its own, compiled knowing k_out = 0 (VarScores' softcap test gone from its loop)
+    if (VAR && k_out != 0.f)
         step_mid_in<T, D, VAR, WG0, BAR, true>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale,
                                                k_in, k_out, slope, read);
+    else if (EARLY)
+        step_mid_in<T, D, VAR, WG0, BAR, true>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale,
+                                               k_in, 0.f, slope, read);
     else
         step_mid_in<T, D, VAR, WG0, BAR, false>(th, c, i, qb, dob, sdS, sLb, sDb, dv_acc, dk_acc, s, dp, dq, scale,
-                                                k_in, k_out, slope, read);
+                                                k_in, 0.f, slope, read);
 }
 // dQ_i's block, its product done, added to dQacc (or stored to sdQ: SDQ), between the
 // caller's wait and pass (step's); then() runs between the last store and pass (flash2_bwd_ws
