@@ -2,14 +2,15 @@
 attention, forward (on a 9.0 device the Hopper rung, "ws" where the copy-engine forward
 takes the inputs and the cp.async kernel beside it, and tc) and backward (wg on 9.0, and tc), on one GPU.
 
-    python3 analysis/bench_variants.py [--ns 4096] [--ds 64,128] [--reps 30]
+    python3 analysis/bench_variants.py [--ns 4096] [--ds 64,128] [--dtypes float16] [--reps 30]
 
 Each case's kernels are recorded from one `fs.gpu.attention` / `attention_backward`
 call (the launches it makes, with their grids and arguments) and replayed, so the
 times are the kernels' alone, not the general path's Python (which converts the slopes
 and checks the inputs on every call). CUDA events around each replay, after warm-up,
-medians over --reps, the cases taking turns (flashsim.bench.interleaved). float16,
-batch·N = 16k tokens, heads = 2048/d. TFLOP/s count the FLOPs of the tiles the band
+medians over --reps, the cases taking turns (flashsim.bench.interleaved). float16 (and
+bfloat16 with --dtypes float16,bfloat16: PyTorch tensors, which CuPy lacks), batch·N = 16k
+tokens, heads = 2048/d. TFLOP/s count the FLOPs of the tiles the band
 leaves (a window of w keys: ~N·w pairs), so a windowed launch that runs in time
 proportional to its tiles keeps its TFLOP/s. Writes analysis/out/bench/variants.md and
 .json.
@@ -88,6 +89,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ns", default="4096")
     ap.add_argument("--ds", default="64,128")
+    ap.add_argument("--dtypes", default="float16", help="float16 and/or bfloat16")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args(argv)
     import cupy as cp
@@ -95,61 +97,73 @@ def main(argv=None):
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     wg = dev.compute_capability == "90"
+    dtypes = a.dtypes.split(",")
+    if not set(dtypes) <= {"float16", "bfloat16"}:
+        ap.error(f"--dtypes: float16 and/or bfloat16, not {a.dtypes}")
+
+    def normal(shape, dtype):
+        x = rng.standard_normal(shape).astype(np.float32)
+        if dtype == "float16":
+            return cp.asarray(x.astype(np.float16))
+        import torch
+        return torch.as_tensor(x, device="cuda").to(torch.bfloat16)
     rows = []
-    for d in (int(x) for x in a.ds.split(",")):
-        for N in (int(x) for x in a.ns.split(",")):
-            H, B = 2048 // d, 16384 // N
-            q, k, v, do = (cp.asarray((rng.standard_normal((B, H, N, d))).astype(np.float16))
-                           for _ in range(4))
-            slopes = (2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32)
-            cases = {
-                "plain": dict(),
-                "causal": dict(causal=True),
-                "window 1024 causal": dict(window=(1024, 0)),
-                "softcap 30": dict(softcap=30.0),
-                "alibi": dict(alibi_slopes=slopes),
-                "softcap 30 + alibi": dict(softcap=30.0, alibi_slopes=slopes),
-                "causal softcap + alibi": dict(causal=True, softcap=30.0, alibi_slopes=slopes),
-            }
-            fns, flop = {}, {}
-            for case, kw in cases.items():
-                npairs = pairs(N, N, kw.get("causal", False), kw.get("window"))
-                for kern in (["wg"] if wg else []) + ["tc"]:
-                    # the Hopper forward as "auto" runs it (ws where the copy engine takes
-                    # the case: at d = 64 plain but not softcap/ALiBi) and, beside ws, the
-                    # cp.async kernel (FLASHSIM_TMA=0), so that every case has its kernel's
-                    # plain time to be held against
-                    for tma in ("1", "0") if kern == "wg" else ("1",):
-                        os.environ["FLASHSIM_TMA"] = tma
-                        replay = record(lambda: fs.gpu.attention(q, k, v, kernel=kern, **kw))
-                        what = "fwd ws" if replay.ws else f"fwd {kern}"
-                        if (case, what) not in fns:
-                            fns[(case, what)] = (replay, None)
-                            flop[(case, what)] = 4 * B * H * npairs * d
-                    os.environ.pop("FLASHSIM_TMA", None)
-                out, lse = fs.gpu.attention(q, k, v, kernel="tc", **kw)
-                for kern in (["wg"] if wg and d in fs.kernels.WG_BWD_HEAD_DIMS else []) + ["tc"]:
-                    replay = record(lambda: fs.gpu.attention_backward(
-                        q, k, v, out, lse, do, kernel=kern, **kw))
-                    what = "bwd ws" if replay.ws else f"bwd {kern}"   # ws: d = 128 on "wg"
-                    fns[(case, what)] = (replay, None)
-                    flop[(case, what)] = 2.5 * 4 * B * H * npairs * d
-            times = interleaved(cp, fns, a.reps)
-            for (case, what), t in times.items():
-                ms = float(np.median(t))
-                rows.append(dict(d=d, N=N, case=case, kernel=what, ms=ms,
-                                 tflops=flop[(case, what)] / ms / 1e9))
-            print(f"d={d} N={N} done", file=sys.stderr, flush=True)
-    base = {(r["d"], r["N"], r["kernel"]): r["ms"] for r in rows if r["case"] == "plain"}
-    causal = {(r["d"], r["N"], r["kernel"]): r["ms"] for r in rows if r["case"] == "causal"}
-    lines = [f"# Variants on the fast rungs, {name}, float16, batch·N = 16k tokens", "",
-             "| d | N | case | kernel | ms | TFLOP/s | time / plain (same mask) |",
-             "|---|---|---|---|---|---|---|"]
+    for dtype, d, N in ((t, int(x), int(n)) for t in dtypes for x in a.ds.split(",")
+                        for n in a.ns.split(",")):
+        H, B = 2048 // d, 16384 // N
+        q, k, v, do = (normal((B, H, N, d), dtype) for _ in range(4))
+        slopes = (2.0 ** (-8.0 * (np.arange(H) + 1) / H)).astype(np.float32)
+        cases = {
+            "plain": dict(),
+            "causal": dict(causal=True),
+            "window 1024 causal": dict(window=(1024, 0)),
+            "softcap 30": dict(softcap=30.0),
+            "alibi": dict(alibi_slopes=slopes),
+            "softcap 30 + alibi": dict(softcap=30.0, alibi_slopes=slopes),
+            "causal softcap + alibi": dict(causal=True, softcap=30.0, alibi_slopes=slopes),
+        }
+        fns, flop = {}, {}
+        for case, kw in cases.items():
+            npairs = pairs(N, N, kw.get("causal", False), kw.get("window"))
+            for kern in (["wg"] if wg else []) + ["tc"]:
+                # the Hopper forward as "auto" runs it (ws where the copy engine takes
+                # the case: at d = 64 plain but not softcap/ALiBi) and, beside ws, the
+                # cp.async kernel (FLASHSIM_TMA=0), so that every case has its kernel's
+                # plain time to be held against
+                for tma in ("1", "0") if kern == "wg" else ("1",):
+                    os.environ["FLASHSIM_TMA"] = tma
+                    replay = record(lambda: fs.gpu.attention(q, k, v, kernel=kern, **kw))
+                    what = "fwd ws" if replay.ws else f"fwd {kern}"
+                    if (case, what) not in fns:
+                        fns[(case, what)] = (replay, None)
+                        flop[(case, what)] = 4 * B * H * npairs * d
+                os.environ.pop("FLASHSIM_TMA", None)
+            out, lse = fs.gpu.attention(q, k, v, kernel="tc", **kw)
+            for kern in (["wg"] if wg and d in fs.kernels.WG_BWD_HEAD_DIMS else []) + ["tc"]:
+                replay = record(lambda: fs.gpu.attention_backward(
+                    q, k, v, out, lse, do, kernel=kern, **kw))
+                what = "bwd ws" if replay.ws else f"bwd {kern}"   # ws: d = 128 on "wg"
+                fns[(case, what)] = (replay, None)
+                flop[(case, what)] = 2.5 * 4 * B * H * npairs * d
+        times = interleaved(cp, fns, a.reps)
+        for (case, what), t in times.items():
+            ms = float(np.median(t))
+            rows.append(dict(dtype=dtype, d=d, N=N, case=case, kernel=what, ms=ms,
+                             tflops=flop[(case, what)] / ms / 1e9))
+        print(f"{dtype} d={d} N={N} done", file=sys.stderr, flush=True)
+
+    def key(r):
+        return r["dtype"], r["d"], r["N"], r["kernel"]
+    base = {key(r): r["ms"] for r in rows if r["case"] == "plain"}
+    causal = {key(r): r["ms"] for r in rows if r["case"] == "causal"}
+    lines = [f"# Variants on the fast rungs, {name}, {', '.join(dtypes)}, batch·N = 16k tokens",
+             "", "| dtype | d | N | case | kernel | ms | TFLOP/s | time / plain (same mask) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = causal if ("causal" in r["case"] and "window" not in r["case"]) else base
-        rel = r["ms"] / ref[(r["d"], r["N"], r["kernel"])]
-        lines.append(f"| {r['d']} | {r['N']} | {r['case']} | {r['kernel']} | {r['ms']:.3f} | "
-                     f"{r['tflops']:.0f} | {rel:.3f} |")
+        rel = r["ms"] / ref[key(r)]
+        lines.append(f"| {r['dtype']} | {r['d']} | {r['N']} | {r['case']} | {r['kernel']} | "
+                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {rel:.3f} |")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "variants.md").write_text("\n".join(lines) + "\n")
     (OUT / "variants.json").write_text(json.dumps(dict(device=name, rows=rows), indent=1))
