@@ -127,9 +127,8 @@ def main(argv=None):
             npairs = pairs(N, N, kw.get("causal", False), kw.get("window"))
             for kern in (["wg"] if wg else []) + ["tc"]:
                 # the Hopper forward as "auto" runs it (ws where the copy engine takes
-                # the case: at d = 64 plain but not softcap/ALiBi) and, beside ws, the
-                # cp.async kernel (FLASHSIM_TMA=0), so that every case has its kernel's
-                # plain time to be held against
+                # the case: d = 64 and 128, softcap/ALiBi at 64 in 64-key tiles) and,
+                # beside ws, the cp.async kernel (FLASHSIM_TMA=0)
                 for tma in ("1", "0") if kern == "wg" else ("1",):
                     os.environ["FLASHSIM_TMA"] = tma
                     replay = record(lambda: fs.gpu.attention(q, k, v, kernel=kern, **kw))

@@ -349,7 +349,7 @@ def kernel_tiles(rung: str, shape: Shape, dtype: str, hw: GPU, block_sizes=None,
         D = K.instance_dim(rung, shape.d, shape.dv, backward, cc // 10)
         if rung == "wg":
             if _copy_engine_forward(shape, block_sizes, backward, variant):
-                return K.WS_BLOCKS[D]
+                return K.ws_blocks(D, variant)
             return K.wg_blocks(D, backward)
         if backward:
             return K.tc_bwd_blocks(D, cc // 10)
@@ -373,7 +373,7 @@ def _copy_engine_forward(shape: Shape, block_sizes, backward: bool,
     its own tiles)."""
     D = K.instance_dim("wg", shape.d, shape.dv, backward)
     return (not backward and K.ws_runs(shape.d, shape.dv, D, backward, variant)
-            and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D]))
+            and (block_sizes is None or tuple(block_sizes) == K.ws_blocks(D, variant)))
 
 
 def _copy_engine_backward(shape: Shape) -> bool:

@@ -185,6 +185,10 @@ WG_COMPUTE_CAPABILITY = 90
 WS_STAGES = 2
 WS_HEAD_DIMS = (64, 96, 128)
 WS_BLOCKS = {64: (192, 128), 96: (128, 128), 128: (128, 128)}
+# its softcap/ALiBi instance (VAR): flash2_fwd_wg's keys a tile (64 at D = 64), so that a
+# packed varlen batch, which runs on flash2_fwd_wg, and each of its sequences agree bit for
+# bit (a row's arithmetic depends on the key tiles alone); flash2_ws.cu's bc<D, VAR>
+WS_BLOCKS_VAR = {**WS_BLOCKS, 64: (192, 64)}
 # Its backward fed by the copy engine (flash2_bwd_ws, _det): flash2_bwd_wg's tiles
 # (WG_BWD_BLOCKS), steps and bits, a producer warpgroup beside the two consumer ones, Q_i
 # and dO_i in a ring of WS_STAGES slots, dQ added by the copy engine's bulk reduce-adds
@@ -203,6 +207,11 @@ DQ_BLOCK = 64 * 128
 def dq_rows(D: int) -> int:
     """Query rows per block of flash2_bwd_ws's tiled dQ accumulator at instance D."""
     return DQ_BLOCK // D
+
+
+def ws_blocks(D: int, variant: bool = False) -> tuple[int, int]:
+    """(Br, Bc) of flash2_fwd_ws at instance D (``variant``: its softcap/ALiBi instance)."""
+    return (WS_BLOCKS_VAR if variant else WS_BLOCKS)[D]
 
 
 def ws_threads(D: int) -> int:
@@ -270,7 +279,7 @@ def wg_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int,
     runs = [("flash2_bwd_wg" if backward else "flash2_fwd_wg", wg_blocks(D, backward))]
     if ws_runs(d, dv, D, backward, variant):   # the kernels fed by the copy engine
         runs.append(("flash2_bwd_ws", wg_blocks(D, True)) if backward
-                    else ("flash2_fwd_ws", WS_BLOCKS[D]))
+                    else ("flash2_fwd_ws", ws_blocks(D, variant)))
     return any((block_sizes is None or tuple(block_sizes) == tiles)
                and smem_bytes(kernel, *tiles, D, D, dtype) <= smem_limit
                for kernel, tiles in runs)
@@ -282,15 +291,16 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
     by the copy engine (flash2_ws.cu) on inputs whose rows a tensor map addresses: the
     forward at D ∈ WS_HEAD_DIMS, the backward at D ∈ WS_BWD_HEAD_DIMS (d, dv ≤ D); the
     forward with softcap or ALiBi
-    (``variant``) only where its tiles are flash2_fwd_wg's, whose softcap/ALiBi instance a
-    packed varlen batch's shares, so that a batch and each of its sequences run the same
-    arithmetic (bit for bit). The backward's tiles and steps are flash2_bwd_wg's."""
+    (``variant``) only where its keys a tile are flash2_fwd_wg's, whose softcap/ALiBi
+    instance a packed varlen batch's shares, so that a batch and each of its sequences run
+    the same arithmetic (bit for bit: a row's depends on the key tiles, not on how many
+    rows a tile holds). The backward's tiles and steps are flash2_bwd_wg's."""
     # below D the tensor maps are d (dv) columns wide, and the copy engine zero-fills the
     # boxes' columns past them (flashsim/gpu/_tma.py)
     if backward:
         return D in WS_BWD_HEAD_DIMS and max(d, dv) <= D
     return (D in WS_HEAD_DIMS and max(d, dv) <= D
-            and (not variant or WS_BLOCKS[D] == WG_BLOCKS[D]))
+            and (not variant or ws_blocks(D, True)[1] == WG_BLOCKS[D][1]))
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,

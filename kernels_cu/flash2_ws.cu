@@ -6,7 +6,8 @@
 //                        and so the traffic of
 //                        flash2_fwd_wg with tiles of 128 × 128 at D = 96 and 128 (its
 //                        own) and 192 × 128 at D = 64 (the cp.async kernel takes 128 × 64
-//                        there, two CTAs per SM: NOTES v16, v21, v22), its shared layout
+//                        there, two CTAs per SM: NOTES v16, v21, v22; its softcap/ALiBi
+//                        instance 192 × 64, the cp.async kernel's keys: v54), its shared layout
 //                        (wgmma.cuh's Cols<D>: 64-byte-swizzled blocks of 32 columns at
 //                        D = 96), its consumer warpgroups of 64 query rows each (two, three
 //                        at D = 64) and their loop (S_j and P_{j−1} V_{j−1} issued together,
@@ -72,15 +73,10 @@ using namespace wg;
 #endif
 // 1: each consumer warpgroup stops at the last K/V tile its own 64 rows see (none for rows
 // past N), and the producer arrives on the slots' "empty" barriers for the warps that skip
-// a step; 0: every warpgroup runs each of the tile's steps (NOTES v48). The softcap/ALiBi
-// instance at D = 64 keeps every step: with the bound its consumers spill, and flashsim.gpu
-// does not launch it (kernels.ws_runs: its tiles are not flash2_fwd_wg's)
+// a step; 0: every warpgroup runs each of the tile's steps (NOTES v48)
 #ifndef FLASHSIM_WS_WG_BOUND
 #define FLASHSIM_WS_WG_BOUND 1
 #endif
-template <int D, bool VAR> __host__ __device__ constexpr bool wg_bound() {
-    return FLASHSIM_WS_WG_BOUND && !(VAR && D == 64);
-}
 // 1: the softmax masks a step's scores only where the warpgroup's own rows meet the band's
 // edge (or N); 0: wherever the tile's rows do
 #ifndef FLASHSIM_WS_WG_MASK
@@ -110,7 +106,10 @@ constexpr int STAGES = FLASHSIM_WS_STAGES;
 #define FLASHSIM_WS_MINB64 1
 #endif
 // flashsim/kernels.py's WS_BLOCKS (the macros: for tuning)
-template <int D> __host__ __device__ constexpr int bc() { return D == 64 ? FLASHSIM_WS_BC64 : 128; }
+// (the softcap/ALiBi instance at D = 64: 64 keys, flash2_fwd_wg's, so that a packed varlen
+// batch, which runs there, and each of its sequences agree bit for bit; with 128 its
+// consumers spilled)
+template <int D, bool VAR> __host__ __device__ constexpr int bc() { return D == 64 ? (VAR ? 64 : FLASHSIM_WS_BC64) : 128; }
 // one CTA per SM: two at D = 64 would leave the consumers 104 registers, and they spill
 template <int D> __host__ __device__ constexpr int min_blocks() { return D == 64 ? FLASHSIM_WS_MINB64 : 1; }
 // the registers the launch bounds give each thread (65536 per SM over threads·min_blocks,
@@ -142,7 +141,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     using namespace ws;
     static_assert(D == 64 || D == 96 || D == 128, "head dims 64, 96 and 128");
     using CL = Cols<D>;
-    constexpr int Bc = bc<D>(), CONSUMERS = consumers<D>(), THREADS = threads<D>(), Br = br<D>();
+    constexpr int Bc = bc<D, VAR>(), CONSUMERS = consumers<D>(), THREADS = threads<D>(), Br = br<D>();
     constexpr unsigned TILE_Q = Br * D * 2, TILE_KV = Bc * D * 2;   // bytes of one tile
     extern __shared__ unsigned char smem_raw[];
     // the swizzle is a function of the address bits, so tiles start on 1024 bytes
@@ -208,7 +207,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // ones; the last warpgroup with rows below N sees the tile's last key tile, so some
     // warpgroup runs every step. The producer and the consumers both compute it
     auto wg_last = [&](const Tile& x, int c) {
-        if (!wg_bound<D, VAR>()) return x.jhi;
+        if (!FLASHSIM_WS_WG_BOUND) return x.jhi;
         const int r = min(64, x.rows - 64 * c);
         int lo = 0, hi = -1;
         if (r > 0) band.kv_range(x.i0 + 64 * c, x.i0 + 64 * c + r, nk, Bc, &lo, &hi);
@@ -259,12 +258,12 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                 // step's slots for them, once it has filled them (so the arrivals count
                 // toward that fill's phase). The bounds wait in shared memory: in
                 // registers they would spill the producer's 24
-                if (wg_bound<D, VAR>())
+                if (FLASHSIM_WS_WG_BOUND)
 #pragma unroll
                     for (int c = 0; c < CONSUMERS; ++c) wl_in[c] = wg_last(x, c);
                 auto skipping = [&](int j) {
                     unsigned n = 0;
-                    if (wg_bound<D, VAR>())
+                    if (FLASHSIM_WS_WG_BOUND)
 #pragma unroll
                         for (int c = 0; c < CONSUMERS; ++c) n += j > *(volatile int*)&wl_in[c];
                     return 4u * n;

@@ -820,13 +820,18 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     monkeypatch.setenv("FLASHSIM_TMA", "0")
     wg = fs.gpu.attention(qd, kd, vd, **kw)
     wg_io = fs.gpu.attention(qd, kd, vd, count_io=True, **kw)
-    if fs.kernels.WS_BLOCKS[d] == fs.kernels.WG_BLOCKS[d]:   # the same tiles: the same bits
+    var = "softcap" in kw or "alibi_slopes" in kw
+    tiles = fs.kernels.ws_blocks(d, var)
+    monkeypatch.setenv("FLASHSIM_TMA", "1")
+    assert fs.gpu.block_sizes(qd, vd, **{x: y for x, y in kw.items() if x != "causal"}) == tiles
+    if tiles[1] == fs.kernels.WG_BLOCKS[d][1]:          # the same keys a tile: the same bits
         for a, b in zip(ws + ws_io[:2], wg + wg_io[:2]):
             assert np.array_equal(host(a), host(b))
+    if tiles == fs.kernels.WG_BLOCKS[d]:
         assert ws_io[2] == wg_io[2]
     else:                                                # d = 64: tiles of their own
         sim = fs.simulate(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
-                          "flash2", block_sizes=fs.kernels.WS_BLOCKS[d], io_dtype="float16",
+                          "flash2", block_sizes=tiles, io_dtype="float16",
                           **{key: (np.asarray(x) if key == "alibi_slopes" else x)
                              for key, x in kw.items()})
         assert ws_io[2] == sim.traffic, ws_io[2].diff(sim.traffic)

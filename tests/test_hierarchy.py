@@ -546,18 +546,18 @@ def test_time_is_the_largest_of_its_terms():
 
 def test_the_model_takes_the_instance_that_runs_the_variants():
     """With softcap or ALiBi the launch model takes the instance that runs them, as
-    fs.gpu.block_sizes(..., softcap=...) does: at d = 64 on a 9.0 device the cp.async
-    forward (flash2_fwd_ws runs plain attention only there), and the tc forward's
-    softcap/ALiBi tiles; at d = 128, where the copy engine's tiles are the cp.async
-    kernel's, flash2_fwd_ws with or without them."""
+    fs.gpu.block_sizes(..., softcap=...) does: at d = 64 on a 9.0 device flash2_fwd_ws's
+    softcap/ALiBi tiles (the cp.async kernel's 64 keys, its own 192 rows), and the tc
+    forward's softcap/ALiBi tiles; at d = 128, where the copy engine's tiles are the
+    cp.async kernel's, flash2_fwd_ws with or without them."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 300, 64)).astype(np.float16) for _ in range(3))
     plain = fs.simulate(q, k, v, "flash2", hardware="H100")
     capped = fs.simulate(q, k, v, "flash2", softcap=30.0, hardware="H100")
     assert plain.block_sizes == K.WS_BLOCKS[64] != K.WG_BLOCKS[64]
     assert plain.prediction.launches[0].launch.kernel == "flash2_fwd_ws"
-    assert capped.block_sizes == K.WG_BLOCKS[64]
-    assert capped.prediction.launches[0].launch.kernel == "flash2_fwd_wg"
+    assert capped.block_sizes == K.WS_BLOCKS_VAR[64] == (192, 64)
+    assert capped.prediction.launches[0].launch.kernel == "flash2_fwd_ws"
     tc = fs.simulate(q, k, v, "flash2", alibi_slopes=np.full(2, 0.5), hardware="H100",
                      launch="tc")
     assert tc.block_sizes == K.TC_BLOCKS_VAR[64] != K.TC_BLOCKS[64]

@@ -189,21 +189,24 @@ def test_each_rung_picks_its_own_instance_of_a_head_dim():
 
 def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     """flash2_fwd_ws: D ∈ WS_HEAD_DIMS, forward, head dims below D too (the copy engine
-    zero-fills the columns past them); softcap/ALiBi only where its tiles are
-    flash2_fwd_wg's (so a varlen batch and its sequences agree bit for bit)."""
+    zero-fills the columns past them); softcap/ALiBi in tiles of flash2_fwd_wg's keys (so
+    a varlen batch and its sequences agree bit for bit), 192 × 64 at D = 64."""
     for D in kernels.WS_HEAD_DIMS:
         assert kernels.ws_runs(D, D, D)
         assert kernels.ws_runs(D, D, D, backward=True) == (D in kernels.WS_BWD_HEAD_DIMS)
-        assert kernels.ws_runs(D, D, D, variant=True) == (
-            kernels.WS_BLOCKS[D] == kernels.WG_BLOCKS[D])
+        # the softcap/ALiBi instance takes flash2_fwd_wg's keys a tile at every D
+        assert kernels.ws_runs(D, D, D, variant=True)
+        assert kernels.ws_blocks(D, True)[1] == kernels.WG_BLOCKS[D][1]
+        assert kernels.ws_blocks(D, True)[0] == kernels.WS_BLOCKS[D][0]   # its rows: threads
     assert kernels.ws_runs(56, 56, 64) and kernels.ws_runs(64, 32, 64)
     assert kernels.ws_runs(80, 80, 96) and kernels.ws_runs(80, 80, 96, variant=True)
-    assert kernels.ws_runs(112, 64, 128) and not kernels.ws_runs(48, 48, 64, variant=True)
+    assert kernels.ws_runs(112, 64, 128) and kernels.ws_runs(48, 48, 64, variant=True)
     assert not kernels.ws_runs(80, 80, 96, backward=True)
     assert not kernels.ws_runs(32, 32, 32) and not kernels.ws_runs(256, 256, 256)
-    assert not kernels.ws_runs(64, 64, 64, variant=True)   # 192 × 128 against 128 × 64
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128))
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 128), variant=True)
+    assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 64), variant=True)
+    assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (192, 64))
     assert not kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 128))
     # the backward fed by TMA at d = 64 and 128 (softcap/ALiBi too): flash2_bwd_wg's tiles
     assert kernels.WS_BWD_HEAD_DIMS == (64, 128)

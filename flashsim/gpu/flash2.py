@@ -56,8 +56,8 @@ def _ws_tiles(shape: Shape, D: int | None, block_sizes=None,
     Layouts a tensor map cannot address are copied first where its tiles are not
     flash2_fwd_wg's (_attention), so that they hold whatever the strides."""
     if (K.ws_runs(shape.d, shape.dv, D, variant=var) and os.environ.get("FLASHSIM_TMA", "1") != "0"
-            and (block_sizes is None or tuple(block_sizes) == K.WS_BLOCKS[D])):
-        return K.WS_BLOCKS[D]
+            and (block_sizes is None or tuple(block_sizes) == K.ws_blocks(D, var))):
+        return K.ws_blocks(D, var)
     return None
 
 
