@@ -214,7 +214,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     ``kernel``: "wg" the Hopper kernel (warpgroup MMAs; compute capability 9.0,
     float16/bfloat16, d and dv multiples of 8 up to 256, run by the smallest instance
     D ∈ fs.kernels.WG_HEAD_DIMS above them; at D ∈ fs.kernels.WS_HEAD_DIMS fed by the
-    copy engine, with its own tiles, fs.kernels.WS_BLOCKS), "tc" the tensor-core
+    copy engine, with its own tiles, fs.kernels.WS_BLOCKS, WS_BLOCKS_VAR with softcap or
+    ALiBi), "tc" the tensor-core
     kernel (mma.sync, Ampere and later; float16/bfloat16, d and dv as for "wg",
     instances fs.kernels.TC_HEAD_DIMS), "ref" the reference kernel (any dtype, d,
     dv ≤ 256, any tiles), or "auto" (default): the first of "wg", "tc", "ref" that
