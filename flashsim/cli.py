@@ -201,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         "build", help="compile every kernel variant with nvcc (no GPU needed)",
         description="Compile every kernel the package can launch (each dtype, the fast "
                     "and the instrumented build) with nvcc, and print registers, static "
-                    "shared memory, stack and spill bytes per variant. Fails if any "
-                    "variant does not compile.")
+                    "shared memory, stack and spill bytes per variant, and where ptxas "
+                    "serialised its warpgroup MMAs. Fails if any variant does not "
+                    "compile.")
     kb.add_argument("--arch", action="append", default=None,
                     help="target, e.g. sm_90 or sm_80 (repeatable; default sm_90)")
     kb.add_argument("--nvcc", default=None, help="the nvcc to use (default: from PATH)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -294,13 +295,33 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
     (``variant``) only where its keys a tile are flash2_fwd_wg's, whose softcap/ALiBi
     instance a packed varlen batch's shares, so that a batch and each of its sequences run
     the same arithmetic (bit for bit: a row's depends on the key tiles, not on how many
-    rows a tile holds). The backward's tiles and steps are flash2_bwd_wg's."""
+    rows a tile holds; except a bfloat16 softcap without ALiBi, which flash2_fwd_ws runs
+    with a fixed softmax max, cap_fixed). The backward's tiles and steps are
+    flash2_bwd_wg's."""
     # below D the tensor maps are d (dv) columns wide, and the copy engine zero-fills the
     # boxes' columns past them (flashsim/gpu/_tma.py)
     if backward:
         return D in WS_BWD_HEAD_DIMS and max(d, dv) <= D
     return (D in WS_HEAD_DIMS and max(d, dv) <= D
             and (not variant or ws_blocks(D, True)[1] == WG_BLOCKS[D][1]))
+
+
+# flash2_fwd_ws's third instance (``variant`` = CAP_FIXED): a softcap in bfloat16 with a fixed
+# softmax max, m = min(C, 125 − C) in log2 units, C = softcap·log2(e) (wgmma.cuh's
+# cap_fixed_m). Every logit lies in [−C, C], so each P = 2^(x − m) lies in [2^−125,
+# 2^max(0, 2C − 125)], normal in float and bfloat16 (float16's 2^−24 … 2^16 is too
+# narrow), and no step needs a row max, α or a rescale of O (NOTES v56). CAP_HEADROOM
+# bounds P at 2^32: ℓ and O stay finite unless |V| ≥ 2^(96 − log2 Nk).
+CAP_FIXED = 2
+CAP_HEADROOM = 32
+
+
+def cap_fixed(dtype: str, softcap, alibi_slopes) -> bool:
+    """flash2_fwd_ws runs this forward in its fixed-max softcap instance (CAP_FIXED):
+    bfloat16, a softcap with 2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4), no
+    ALiBi (its bias is unbounded below)."""
+    return (dtype == "bfloat16" and softcap is not None and alibi_slopes is None
+            and 2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM)
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
@@ -530,14 +551,15 @@ class Instance:
     the instance that also runs softcap and ALiBi (the fast rungs' VAR = true; the
     plain one keeps the registers it has without them). ``varlen``: the instance that
     walks a packed varlen batch's table of tiles (VL = true; always with VAR, whose
-    constants make softcap and ALiBi no-ops when absent)."""
+    constants make softcap and ALiBi no-ops when absent). flash2_fwd_ws has a third,
+    ``variant`` = CAP_FIXED (cap_fixed)."""
     source: str
     kernel: str
     dtype: str
     D: int | None
     expr: str
     mangled: str
-    variant: bool = False
+    variant: bool | int = False    # (or CAP_FIXED: flash2_fwd_ws's fixed-max softcap)
     varlen: bool = False
 
 
@@ -587,8 +609,15 @@ def instances(source: str | None = None) -> list[Instance]:
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
                         for var, vl in VARIANT_FLAGS:
+                            if k == "flash2_fwd_ws" and not vl:   # and CAP_FIXED, bfloat16
+                                fixed = ((var, False),) + (((CAP_FIXED, True),) if var and dt == "bfloat16" else ())
+                                out.extend(Instance(
+                                    src, k, dt, D,
+                                    f"{k}<{T}, {D}, {str(bool(var)).lower()}, {str(f).lower()}>",
+                                    f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(bool(var))}ELb{int(f)}EE", v)
+                                    for v, f in fixed)
                             if k in WS_KERNELS:    # no varlen instance, and no VL argument
-                                if not vl:
+                                if not vl and k != "flash2_fwd_ws":
                                     out.append(Instance(
                                         src, k, dt, D, f"{k}<{T}, {D}, {str(var).lower()}>",
                                         f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(var)}EE", var))
@@ -787,10 +816,14 @@ class BuildRow:
     stack: int
     spill_stores: int
     spill_loads: int
-    variant: bool = False
+    variant: bool | int = False
     varlen: bool = False
+    # ptxas serialised the warpgroup MMAs (C7510, C7511, …: "wgmma.mma_async instructions
+    # are serialized"): each waits for the one before it, which costs far more than a spill
+    wgmma_serialized: bool = False
 
 
+_PTXAS_SERIAL = re.compile(r"wgmma\.mma_async instructions are serialized.*?function '(\w+)'")
 _PTXAS_FUNC = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
@@ -888,19 +921,21 @@ def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:
     names = {i.mangled: (i.kernel, i.dtype, i.D, i.variant, i.varlen)
              for i in instances(source)}
     rows, current, info = [], None, {}
+    serial = {m.group(1) for m in _PTXAS_SERIAL.finditer(log)}
 
     def flush():
         if current is not None:
-            k, dt, D, var, vl = current
+            (k, dt, D, var, vl), func = current
             rows.append(BuildRow(k, dt, D, count_io, info.get("regs", 0), info.get("smem", 0),
                                  info.get("stack", 0), info.get("st", 0), info.get("ld", 0),
-                                 var, vl))
+                                 var, vl, func in serial))
 
     for line in log.splitlines():
         m = _PTXAS_FUNC.search(line)
         if m:
             flush()
-            current = next((v for p, v in names.items() if m.group(1).startswith(p)), None)
+            current = next(((v, m.group(1)) for p, v in names.items()
+                            if m.group(1).startswith(p)), None)
             info = {}
             continue
         if (m := _PTXAS_USED.search(line)):
@@ -921,9 +956,11 @@ def format_build(rows: list[BuildRow], arch: str) -> str:
     for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.variant, r.varlen,
                                          r.dtype, r.D or 0)):
         build_kind = "instrumented" if r.instrumented else "fast path"
-        name = r.kernel + (" +varlen" if r.varlen else " +var" if r.variant else "")
+        name = r.kernel + (" +varlen" if r.varlen else " +cap" if r.variant == CAP_FIXED
+                           else " +var" if r.variant else "")
         lines.append(f"{name:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
-                     f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}")
+                     f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}"
+                     + ("  wgmma serialized" if r.wgmma_serialized else ""))
     built = {r.kernel for r in rows}
     for src, target in ARCH_SPECIFIC.items():
         if built & set(SOURCES[src]):

@@ -128,7 +128,7 @@ template <int D> __host__ __device__ constexpr int consumer_regs() {
 
 }  // namespace ws
 
-template <typename T, int D, bool VAR>
+template <typename T, int D, bool VAR, bool CAP_FIXED>
 __global__ void __launch_bounds__(ws::threads<D>(), ws::min_blocks<D>())
 flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,
               const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmO,
@@ -306,6 +306,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const int cw = __shfl_sync(0xffffffffu, grp, 0) - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
+    // a softcap's fixed max in bfloat16 (wgmma.cuh's cap_fixed_m), where the launcher says
+    constexpr bool FIXED = VAR && CAP_FIXED && IsBf16<T>::value;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
@@ -347,7 +349,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             continue;
         }
         const unsigned sQ = sQ0 + (kq & 1) * TILE_Q;
-        float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max (log2 domain), rows g, g + 8
+        float m0 = FIXED ? cap_fixed_m(k_out) : neg_inf<float>(), m1 = m0;   // running max (log2), rows g, g + 8
         float l0 = 0.f, l1 = 0.f;                    // partial row sums of this thread
 #pragma unroll
         for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
@@ -375,7 +377,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // (its mask test over the warpgroup's 64 rows, or the tile's Br: the same scores)
         constexpr int BrM = FLASHSIM_WS_WG_MASK ? 64 : Br, W0 = FLASHSIM_WS_WG_MASK ? 64 : 0;
         auto softmax = [&](int j, float& a0, float& a1) {
-            wg_softmax<Bc, BrM, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0 + cw * W0, r0 - cw * W0, tig,
+            wg_softmax<Bc, BrM, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0 + cw * W0, r0 - cw * W0, tig,
                                      nq, nk, band, sl2, k_in, k_out,
                                      VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
@@ -412,6 +414,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // 1, at the end of the step, on the path from the softmax to the next issue
         float a0 = 1.f, a1 = 1.f;
         auto rescale = [&]() {
+            if (FIXED) return;                       // α = 1
 #pragma unroll
             for (int t = 0; t < D / 8; ++t) {
                 o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;

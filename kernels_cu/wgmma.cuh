@@ -226,14 +226,25 @@ FLASHSIM_WGMMA_RS_96(__half, "f16")
 FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 
 // -- the forwards' online softmax on a warpgroup's S (flash2_fwd_wg, flash2_fwd_ws) -------
+// A softcap c bounds every logit to [−c, c]: in log2 units x ∈ [−C, C], C = c·log2(e)
+// (VarScores' k_out). bfloat16 has float's exponent range, so P = 2^(x − m) needs no
+// running max there: with m = min(C, 125 − C) every P lies in [2^−125, 2^max(0, 2C − 125)],
+// normal in float and in bfloat16. Without the running max a step has no row max to
+// reduce, no α and no rescale of O, and the softcap's chain tanh → row max → ex2 becomes
+// tanh → ex2 per score (NOTES v56). flashsim.kernels.cap_fixed says where it runs
+// (2C − 125 ≤ 32: c ≤ 54.4, Gemma 2's 50 and Grok's 30 included; P ≤ 2^32 leaves ℓ and O
+// finite unless |V| ≥ 2^(96 − log2 Nk)); float16's range, 2^−24 … 2^16, is too narrow.
+__device__ __forceinline__ float cap_fixed_m(float k_out) { return fminf(k_out, 125.f - k_out); }
+
 // S_j is this warpgroup's 64 × Bc tile in the m64nNk16 accumulator layout: register 4t + e
 // holds row r (= r0 + 8·(e ≥ 2) of the Q tile starting at query i0) and key 8t + 2·tig +
 // (e & 1) of tile j (first key j0). Finishes the scores (VAR: VarScores with the problem's
 // slope, before the mask, since softcap(−∞) would be −softcap), masks ragged keys and the
 // band where the tile needs it, updates the running max m (log2 domain) and the partial
 // sums ℓ of rows r0, r0 + 8, leaves P = 2^(S·sl2 − m) in s (fp32), and returns in a0, a1
-// the factors (α) that O's rows must be scaled by.
-template <int Bc, int Br, bool VAR>
+// the factors (α) that O's rows must be scaled by. FIXED (flash2_fwd_ws's softcap instance
+// in bfloat16, cap_fixed_m below): m stays the fixed max the caller set, and α = 1.
+template <int Bc, int Br, bool VAR, bool FIXED = false>
 __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float& l0, float& l1,
                                            float& a0, float& a1, int j0, int i0, int r0, int tig,
                                            int nq, int nk, const Band& band, float sl2,
@@ -260,6 +271,19 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
                 const int r = i0 + r0 + (e < 2 ? 0 : 8);
                 if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
             }
+    }
+    if constexpr (FIXED) {
+        a0 = a1 = 1.f;
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            s[4 * t] = ex2(fmaf(s[4 * t], sl2, -m0));
+            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], sl2, -m0));
+            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], sl2, -m1));
+            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -m1));
+            l0 += s[4 * t] + s[4 * t + 1];
+            l1 += s[4 * t + 2] + s[4 * t + 3];
+        }
+        return;
     }
     float mx0 = m0, mx1 = m1;
 #pragma unroll

@@ -680,6 +680,52 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d", (64, 96, 128))
+def test_a_bfloat16_softcap_runs_with_a_fixed_max(monkeypatch, d):
+    """A bfloat16 softcap without ALiBi runs flash2_fwd_ws's fixed-max instance
+    (kernels.CAP_FIXED: no running max, α or rescale), float16, a softcap past 54.4 and
+    ALiBi the online one. Against the simulator: the traffic exactly, O and L to the
+    kernel-precision twin's tolerance, rows that see no key 0 and −∞; logits held at ±c
+    by outliers, Nq ≠ Nk (rows past the keys under the bottom-right causal mask see none),
+    ragged tiles, a window that cuts tiles; and the two instances' O a few roundings of P
+    apart, their L a few float roundings."""
+    from flashsim.gpu import flash2
+    seen = []
+    real = flash2.dev.kernel
+    monkeypatch.setattr(flash2.dev, "kernel", lambda name, dtype, count_io, D=None, variant=False,
+                        varlen=False: (seen.append((name, dtype, variant)),
+                                       real(name, dtype, count_io, D, variant, varlen))[1])
+    rng = np.random.default_rng(d)
+    rnd = make_precision("kernel", "bfloat16").io_round
+    q = rnd(rng.standard_normal((2, 4, 333, d))).astype(np.float64)
+    k = rnd(rng.standard_normal((2, 2, 200, d))).astype(np.float64)
+    v = rnd(rng.standard_normal((2, 2, 200, d))).astype(np.float64)
+    q[:, :, :40] *= 16                                   # logits at ±c: tanh saturated
+    cases = [(50.0, dict()), (54.0, dict(causal=True)), (0.5, dict(window=(70, 3))),
+             (30.0, dict(window=(0, 0)))]
+    for c, kw in cases:
+        variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
+        seen.clear()
+        check_variants_forward(q, k, v, "bfloat16", None, variants)
+        assert seen[-1] == ("flash2_fwd_ws", "bfloat16", fs.kernels.CAP_FIXED), (c, kw)
+    # the online instance where the fixed max does not apply
+    for dtype, c, slopes in (("float16", 30.0, None), ("bfloat16", 60.0, None),
+                             ("bfloat16", 30.0, rng.uniform(0, 0.5, 4))):
+        variants = dict(causal=False, window=None, softcap=c, alibi_slopes=slopes)
+        seen.clear()
+        check_variants_forward(q, k, v, dtype, None, variants)
+        assert seen[-1] == ("flash2_fwd_ws", dtype, True), (dtype, c)
+    # the two instances on the same inputs: a few roundings of P apart
+    qd, kd, vd = (dev(x, "bfloat16") for x in (q, k, v))
+    fixed = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
+    monkeypatch.setattr(fs.kernels, "cap_fixed", lambda *a: False)
+    online = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
+    assert not np.array_equal(fixed[0], online[0])
+    np.testing.assert_allclose(fixed[0], online[0], atol=4 * 2.0**-8 * np.abs(v).max())
+    np.testing.assert_allclose(fixed[1], online[1], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("d", (64, 128))
 def test_the_tma_forwards_warpgroups_stop_at_their_own_last_key_tile(monkeypatch, d):
     """Each consumer warpgroup of flash2_fwd_ws runs only the steps its own 64 rows see

@@ -263,6 +263,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                                                       softcap, alibi_slopes)
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
+    # flash2_fwd_ws's instance: the VAR one, or the fixed-max softcap's (kernels.cap_fixed)
+    ws_var = K.CAP_FIXED if var and K.cap_fixed(dtype, softcap, alibi_slopes) else var
     P, Nq = shape.problems, shape.Nq
     # O laid out as q is (q read through its strides: no copies of (B, N, H, d) inputs)
     O = arrays.empty(cp, shape.batch_shape + (Nq, shape.dv), arrays.storage(cp, dtype),
@@ -277,7 +279,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     i32 = np.int32
     D = _instance(shape, which) if which in ("tc", "wg") else None
     ws_tiles = _ws_tiles(shape, D, block_sizes, var) if which == "wg" else None
-    ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld) if ws_tiles else None
+    ws = _ws_forward(cp, shape, dtype, count_io, ws_var, cols, ld) if ws_tiles else None
     if ws is None and ws_tiles and ws_tiles != K.WG_BLOCKS[D]:
         # a layout no tensor map addresses, where the cp.async kernel's tiles differ from
         # the ones block_sizes reports: copied into a dense one, which TMA reads
@@ -285,7 +287,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
         cols.update({t: (x, cols[t][1]) for t, x in zip((arrays.AT_Q, arrays.AT_K, arrays.AT_V), dense)})
         at, ld = arrays.rows(cp, shape, cols)
         qi.arr, ki.arr, vi.arr = dense
-        ws = _ws_forward(cp, shape, dtype, count_io, var, cols, ld)
+        ws = _ws_forward(cp, shape, dtype, count_io, ws_var, cols, ld)
         if ws is None:
             raise RuntimeError("the driver refused the tensor maps of flash2_fwd_ws for "
                                "dense inputs; set FLASHSIM_TMA=0 to run flash2_fwd_wg")
@@ -713,10 +715,12 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
                       "QQQQQQQiiiiiiiifffQQQi", crd)
 
 
-def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, cols: dict, ld):
+def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool | int, cols: dict,
+                ld):
     """The launcher of flash2_fwd_ws (the wg forward fed by TMA) for these arrays, or None
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
-    (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs)."""
+    (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs).
+    ``var``: its instance, plain (False), softcap/ALiBi (True) or kernels.CAP_FIXED."""
     d, dv = shape.d, shape.dv
     D = _instance(shape, "wg")
     tiles = _ws_tiles(shape, D, var=var)
