@@ -1,6 +1,6 @@
 // flash2_ws.cu: the Hopper kernels fed by the copy engine, with specialised warps.
 //
-//   flash2_fwd_ws<T, D, VAR>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
+//   flash2_fwd_ws<T, D, VAR, CAP_FIXED>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
 //                        ≤ D: the tensor maps are d (dv) columns wide, so the copy engine
 //                        zero-fills the columns past them): the schedule, visited tiles
 //                        and so the traffic of
@@ -38,6 +38,9 @@
 //                          the rest for it, and masks only where its rows meet the band
 //                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
+//                        CAP_FIXED = true (with VAR, bfloat16): a softcap without ALiBi
+//                        under a fixed softmax max, no row max, α or rescale of O
+//                        (wgmma.cuh's cap_fixed_m, kernels.cap_fixed; NOTES v56).
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
 //                        outside the tensor, so a ragged last tile arrives zero-filled. A

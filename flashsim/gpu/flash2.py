@@ -226,7 +226,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     right)`` (−1 unbounded; tiles outside the band are skipped), ``softcap=c`` and
     ``alibi_slopes`` ((heads,) or (batch, heads), fp32), on every rung (the fast rungs
     run softcap and ALiBi in their own template instances, so plain attention pays
-    nothing for them).
+    nothing for them; in bfloat16 a softcap without ALiBi runs the Hopper forward with a
+    fixed softmax max, flashsim.kernels.cap_fixed).
 
     ``algorithm``: "flash2" (default), or the paper's other two schedules on the
     reference rung, "flash1" (FlashAttention-1: K/V outer, O, ℓ, m through HBM at every
