@@ -609,13 +609,15 @@ def instances(source: str | None = None) -> list[Instance]:
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
                         for var, vl in VARIANT_FLAGS:
-                            if k == "flash2_fwd_ws" and not vl:   # and CAP_FIXED, bfloat16
-                                fixed = ((var, False),) + (((CAP_FIXED, True),) if var and dt == "bfloat16" else ())
+                            if k == "flash2_fwd_ws" and not vl:   # <T, D, VAR, CAP_FIXED>
+                                kinds = [(var, False)]
+                                if var and dt == "bfloat16":
+                                    kinds.append((CAP_FIXED, True))
                                 out.extend(Instance(
                                     src, k, dt, D,
-                                    f"{k}<{T}, {D}, {str(bool(var)).lower()}, {str(f).lower()}>",
-                                    f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(bool(var))}ELb{int(f)}EE", v)
-                                    for v, f in fixed)
+                                    f"{k}<{T}, {D}, {str(bool(v)).lower()}, {str(f).lower()}>",
+                                    f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(bool(v))}ELb{int(f)}EE", v)
+                                    for v, f in kinds)
                             if k in WS_KERNELS:    # no varlen instance, and no VL argument
                                 if not vl and k != "flash2_fwd_ws":
                                     out.append(Instance(

@@ -10,10 +10,10 @@
 #include <cuda_bf16.h>
 
 template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
 // bfloat16, whose exponent range is float's (wgmma.cuh's cap_fixed_m)
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
-template <> struct AccOf<double> { using type = double; };
 
 template <typename A> __device__ __forceinline__ A to_acc(float x) { return (A)x; }
 template <typename A> __device__ __forceinline__ A to_acc(double x) { return (A)x; }
