@@ -295,8 +295,8 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
     (``variant``) only where its keys a tile are flash2_fwd_wg's, whose softcap/ALiBi
     instance a packed varlen batch's shares, so that a batch and each of its sequences run
     the same arithmetic (bit for bit: a row's depends on the key tiles, not on how many
-    rows a tile holds; except a bfloat16 softcap without ALiBi, which flash2_fwd_ws runs
-    with a fixed softmax max, cap_fixed). The backward's tiles and steps are
+    rows a tile holds; except a softcap without ALiBi, which flash2_fwd_ws runs under a
+    fixed or lazy softmax max, cap_only). The backward's tiles and steps are
     flash2_bwd_wg's."""
     # below D the tensor maps are d (dv) columns wide, and the copy engine zero-fills the
     # boxes' columns past them (flashsim/gpu/_tma.py)
@@ -306,22 +306,27 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
             and (not variant or ws_blocks(D, True)[1] == WG_BLOCKS[D][1]))
 
 
-# flash2_fwd_ws's third instance (``variant`` = CAP_FIXED): a softcap in bfloat16 with a fixed
-# softmax max, m = min(C, 125 − C) in log2 units, C = softcap·log2(e) (wgmma.cuh's
-# cap_fixed_m). Every logit lies in [−C, C], so each P = 2^(x − m) lies in [2^−125,
-# 2^max(0, 2C − 125)], normal in float and bfloat16 (float16's 2^−24 … 2^16 is too
-# narrow), and no step needs a row max, α or a rescale of O (NOTES v56). CAP_HEADROOM
-# bounds P at 2^32: ℓ and O stay finite unless |V| ≥ 2^(96 − log2 Nk).
-CAP_FIXED = 2
+# flash2_fwd_ws's third instance (``variant`` = CAP_ONLY): a softcap without ALiBi, whose
+# logits all lie in [−C, C] in log2 units, C = softcap·log2(e) (NOTES v56, v57).
+# - bfloat16: a fixed softmax max, m = min(C, 125 − C) (wgmma.cuh's cap_fixed_m). Each
+#   P = 2^(x − m) lies in [2^−125, 2^max(0, 2C − 125)], normal in float and bfloat16, and
+#   no step needs a row max, α or a rescale of O. CAP_HEADROOM bounds P at 2^32: ℓ and O
+#   stay finite unless |V| ≥ 2^(96 − log2 Nk).
+# - float16, whose 2^−24 … 2^16 holds no such interval: a lazy running max (wgmma.cuh's
+#   wg_softmax_lazy). A step's exponentials take the m of the steps before, and only rows
+#   whose max passed m + 8 take the online step again.
+CAP_ONLY = 2
 CAP_HEADROOM = 32
 
 
-def cap_fixed(dtype: str, softcap, alibi_slopes) -> bool:
-    """flash2_fwd_ws runs this forward in its fixed-max softcap instance (CAP_FIXED):
-    bfloat16, a softcap with 2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4), no
-    ALiBi (its bias is unbounded below)."""
-    return (dtype == "bfloat16" and softcap is not None and alibi_slopes is None
-            and 2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM)
+def cap_only(dtype: str, softcap, alibi_slopes) -> bool:
+    """flash2_fwd_ws runs this forward in its softcap instance (CAP_ONLY): a softcap without
+    ALiBi (whose bias is unbounded below), in float16, or in bfloat16 with
+    2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4)."""
+    if softcap is None or alibi_slopes is not None:
+        return False
+    return dtype == "float16" or (dtype == "bfloat16" and
+                                  2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM)
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
@@ -552,14 +557,14 @@ class Instance:
     plain one keeps the registers it has without them). ``varlen``: the instance that
     walks a packed varlen batch's table of tiles (VL = true; always with VAR, whose
     constants make softcap and ALiBi no-ops when absent). flash2_fwd_ws has a third,
-    ``variant`` = CAP_FIXED (cap_fixed)."""
+    ``variant`` = CAP_ONLY (cap_only)."""
     source: str
     kernel: str
     dtype: str
     D: int | None
     expr: str
     mangled: str
-    variant: bool | int = False    # (or CAP_FIXED: flash2_fwd_ws's fixed-max softcap)
+    variant: bool | int = False    # (or CAP_ONLY: flash2_fwd_ws's softcap alone)
     varlen: bool = False
 
 
@@ -609,10 +614,8 @@ def instances(source: str | None = None) -> list[Instance]:
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
                         for var, vl in VARIANT_FLAGS:
-                            if k == "flash2_fwd_ws" and not vl:   # <T, D, VAR, CAP_FIXED>
-                                kinds = [(var, False)]
-                                if var and dt == "bfloat16":
-                                    kinds.append((CAP_FIXED, True))
+                            if k == "flash2_fwd_ws" and not vl:   # <T, D, VAR, CAP_ONLY>
+                                kinds = [(var, False)] + ([(CAP_ONLY, True)] if var else [])
                                 out.extend(Instance(
                                     src, k, dt, D,
                                     f"{k}<{T}, {D}, {str(bool(v)).lower()}, {str(f).lower()}>",
@@ -958,7 +961,7 @@ def format_build(rows: list[BuildRow], arch: str) -> str:
     for r in sorted(rows, key=lambda r: (r.instrumented, r.kernel, r.variant, r.varlen,
                                          r.dtype, r.D or 0)):
         build_kind = "instrumented" if r.instrumented else "fast path"
-        name = r.kernel + (" +varlen" if r.varlen else " +cap" if r.variant == CAP_FIXED
+        name = r.kernel + (" +varlen" if r.varlen else " +cap" if r.variant == CAP_ONLY
                            else " +var" if r.variant else "")
         lines.append(f"{name:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
                      f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}"

@@ -1,6 +1,6 @@
 // flash2_ws.cu: the Hopper kernels fed by the copy engine, with specialised warps.
 //
-//   flash2_fwd_ws<T, D, VAR, CAP_FIXED>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
+//   flash2_fwd_ws<T, D, VAR, CAP_ONLY>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
 //                        ≤ D: the tensor maps are d (dv) columns wide, so the copy engine
 //                        zero-fills the columns past them): the schedule, visited tiles
 //                        and so the traffic of
@@ -38,9 +38,12 @@
 //                          the rest for it, and masks only where its rows meet the band
 //                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
-//                        CAP_FIXED = true (with VAR, bfloat16): a softcap without ALiBi
-//                        under a fixed softmax max, no row max, α or rescale of O
-//                        (wgmma.cuh's cap_fixed_m, kernels.cap_fixed; NOTES v56).
+//                        CAP_ONLY = true (with VAR): a softcap without ALiBi
+//                        (kernels.cap_only). In bfloat16 under a fixed softmax max: no
+//                        row max, α or rescale of O (wgmma.cuh's cap_fixed_m; NOTES v56).
+//                        In float16 under a lazy running max: a step's exponentials
+//                        take the steps before's m, and a row takes the online step
+//                        again only where its max passed m + 8 (wg_softmax_lazy; v57).
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
 //                        outside the tensor, so a ragged last tile arrives zero-filled. A
@@ -131,7 +134,7 @@ template <int D> __host__ __device__ constexpr int consumer_regs() {
 
 }  // namespace ws
 
-template <typename T, int D, bool VAR, bool CAP_FIXED>
+template <typename T, int D, bool VAR, bool CAP_ONLY>
 __global__ void __launch_bounds__(ws::threads<D>(), ws::min_blocks<D>())
 flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,
               const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmO,
@@ -309,8 +312,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const int cw = __shfl_sync(0xffffffffu, grp, 0) - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
-    // a softcap's fixed max in bfloat16 (wgmma.cuh's cap_fixed_m), where the launcher says
-    constexpr bool FIXED = VAR && CAP_FIXED && IsBf16<T>::value;
+    // a softcap without ALiBi (CAP_ONLY, where kernels.cap_only says): under a fixed max
+    // in bfloat16 (wgmma.cuh's cap_fixed_m), a lazy running max in float16 (wg_softmax_lazy)
+    constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
+    constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
@@ -385,6 +390,11 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                                      VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
         auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
+        auto softmax_lazy = [&](int j, float& a0, float& a1) {
+            wg_softmax_lazy<T, Bc, BrM, VAR>(s, pf, m0, m1, l0, l1, a0, a1, j * Bc, i0 + cw * W0,
+                                             r0 - cw * W0, tig, nq, nk, band, sl2, k_in, k_out,
+                                             VAR && slopes != nullptr ? slopes[p] : 0.f);
+        };
 
         // Step n (tile j = jlo + n, the CTA's fill nb + n of the K/V slots: slot
         // (nb + n) % STAGES, whose parity the waits name): S_j and P_{j−1} V_{j−1} issued
@@ -418,6 +428,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         float a0 = 1.f, a1 = 1.f;
         auto rescale = [&]() {
             if (FIXED) return;                       // α = 1
+            if (LAZY && __all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) return;
 #pragma unroll
             for (int t = 0; t < D / 8; ++t) {
                 o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
@@ -442,6 +453,17 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             wgmma_wait<1>();                         // S_j is done, P_{j−1} V_{j−1} may run on
             fence_regs<Bc / 2>(s);
             release(emptyK(sn));
+            if constexpr (LAZY) {                    // P_j goes straight to pf: the product
+                wgmma_wait<0>();                     // must have read P_{j−1} (ptxas puts this
+                fence_regs<D / 2>(o);                // wait here in either order: NOTES v43)
+                release(emptyV(sp));
+#pragma unroll
+                for (int kk = 0; kk < Bc / 16; ++kk)
+                    asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+                softmax_lazy(j, a0, a1);
+                if (FLASHSIM_WS_RESCALE_LATE) rescale();
+                continue;
+            }
             softmax(j, a0, a1);
             wgmma_wait<0>();
             fence_regs<D / 2>(o);

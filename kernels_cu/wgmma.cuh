@@ -231,24 +231,17 @@ FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 // running max there: with m = min(C, 125 − C) every P lies in [2^−125, 2^max(0, 2C − 125)],
 // normal in float and in bfloat16. Without the running max a step has no row max to
 // reduce, no α and no rescale of O, and the softcap's chain tanh → row max → ex2 becomes
-// tanh → ex2 per score (NOTES v56). flashsim.kernels.cap_fixed says where it runs
+// tanh → ex2 per score (NOTES v56). flashsim.kernels.cap_only says where it runs
 // (2C − 125 ≤ 32: c ≤ 54.4, Gemma 2's 50 and Grok's 30 included; P ≤ 2^32 leaves ℓ and O
-// finite unless |V| ≥ 2^(96 − log2 Nk)); float16's range, 2^−24 … 2^16, is too narrow.
+// finite unless |V| ≥ 2^(96 − log2 Nk)); float16's range, 2^−24 … 2^16, is too narrow (its
+// softcap takes wg_softmax_lazy below).
 __device__ __forceinline__ float cap_fixed_m(float k_out) { return fminf(k_out, 125.f - k_out); }
 
-// S_j is this warpgroup's 64 × Bc tile in the m64nNk16 accumulator layout: register 4t + e
-// holds row r (= r0 + 8·(e ≥ 2) of the Q tile starting at query i0) and key 8t + 2·tig +
-// (e & 1) of tile j (first key j0). Finishes the scores (VAR: VarScores with the problem's
-// slope, before the mask, since softcap(−∞) would be −softcap), masks ragged keys and the
-// band where the tile needs it, updates the running max m (log2 domain) and the partial
-// sums ℓ of rows r0, r0 + 8, leaves P = 2^(S·sl2 − m) in s (fp32), and returns in a0, a1
-// the factors (α) that O's rows must be scaled by. FIXED (flash2_fwd_ws's softcap instance
-// in bfloat16, cap_fixed_m below): m stays the fixed max the caller set, and α = 1.
-template <int Bc, int Br, bool VAR, bool FIXED = false>
-__device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float& l0, float& l1,
-                                           float& a0, float& a1, int j0, int i0, int r0, int tig,
-                                           int nq, int nk, const Band& band, float sl2,
-                                           float k_in, float k_out, float slope) {
+// The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
+// ragged keys and the band's edge masked to −∞ where the tile needs it
+template <int Bc, int Br, bool VAR>
+__device__ __forceinline__ void wg_scores(float* s, int j0, int i0, int r0, int tig, int nq, int nk,
+                                          const Band& band, float k_in, float k_out, float slope) {
     if constexpr (VAR) {
         const VarScores vs{k_in, k_out, slope};
         const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
@@ -272,6 +265,21 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
                 if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
             }
     }
+}
+// S_j is this warpgroup's 64 × Bc tile in the m64nNk16 accumulator layout: register 4t + e
+// holds row r (= r0 + 8·(e ≥ 2) of the Q tile starting at query i0) and key 8t + 2·tig +
+// (e & 1) of tile j (first key j0). Finishes the scores (VAR: VarScores with the problem's
+// slope, before the mask, since softcap(−∞) would be −softcap), masks ragged keys and the
+// band where the tile needs it, updates the running max m (log2 domain) and the partial
+// sums ℓ of rows r0, r0 + 8, leaves P = 2^(S·sl2 − m) in s (fp32), and returns in a0, a1
+// the factors (α) that O's rows must be scaled by. FIXED (flash2_fwd_ws's softcap instance
+// in bfloat16, cap_fixed_m below): m stays the fixed max the caller set, and α = 1.
+template <int Bc, int Br, bool VAR, bool FIXED = false>
+__device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float& l0, float& l1,
+                                           float& a0, float& a1, int j0, int i0, int r0, int tig,
+                                           int nq, int nk, const Band& band, float sl2,
+                                           float k_in, float k_out, float slope) {
+    wg_scores<Bc, Br, VAR>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
     if constexpr (FIXED) {
         a0 = a1 = 1.f;
 #pragma unroll
@@ -311,6 +319,68 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
         s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
         l0 += s[4 * t] + s[4 * t + 1];
         l1 += s[4 * t + 2] + s[4 * t + 3];
+    }
+}
+// wg_softmax with a lazy running max (flash2_fwd_ws's softcap instance in float16, whose
+// range holds no fixed max; not a tile's first step, whose m is still −∞ and which takes
+// wg_softmax): P = 2^(S·sl2 − m) with the m of the steps before, so that the exponentials
+// do not wait for this tile's row max, packed to T into pf as they come (the caller has
+// waited for the product that reads pf), and ℓ summed. The row max is reduced beside them;
+// only a row whose max passed m + TAU (P would exceed 2^TAU: float16's range ends at 2^16)
+// takes the online step again from its scores, still in s: m moves to the row max,
+// α = 2^(m_old − m), ℓ = ℓ_old·α + Σ P. Elsewhere α = 1. The max only moves up, so every
+// P ≤ 2^TAU, and L = m + log2 ℓ holds for any m.
+#ifndef FLASHSIM_LAZY_TAU
+#define FLASHSIM_LAZY_TAU 8.f
+#endif
+template <typename T, int Bc, int Br, bool VAR>
+__device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], float& m0, float& m1,
+                                                float& l0, float& l1, float& a0, float& a1, int j0,
+                                                int i0, int r0, int tig, int nq, int nk,
+                                                const Band& band, float sl2, float k_in,
+                                                float k_out, float slope) {
+    wg_scores<Bc, Br, VAR>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
+    const float ms0 = m0 == neg_inf<float>() ? 0.f : m0;   // (rows that saw no key yet:
+    const float ms1 = m1 == neg_inf<float>() ? 0.f : m1;   // any key they see now moves m)
+    const float l0p = l0, l1p = l1;
+    float mx0 = neg_inf<float>(), mx1 = neg_inf<float>();
+#pragma unroll
+    for (int t = 0; t < Bc / 8; ++t) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]));
+        const float p0 = ex2(fmaf(s[4 * t], sl2, -ms0)), p1 = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
+        const float p2 = ex2(fmaf(s[4 * t + 2], sl2, -ms1)), p3 = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
+        l0 += p0 + p1;
+        l1 += p2 + p3;
+        pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);
+        pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);
+    }
+    quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
+    mx0 *= sl2;
+    mx1 *= sl2;
+    a0 = a1 = 1.f;
+    // (−∞ > −∞ + TAU is false: a row that still sees no key keeps m = −∞, its P are 0)
+    if (mx0 > m0 + FLASHSIM_LAZY_TAU) {
+        a0 = ex2(m0 - mx0);
+        m0 = mx0;
+        l0 = __fmul_rn(l0p, a0);
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            const float p0 = ex2(fmaf(s[4 * t], sl2, -mx0)), p1 = ex2(fmaf(s[4 * t + 1], sl2, -mx0));
+            l0 += p0 + p1;
+            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);
+        }
+    }
+    if (mx1 > m1 + FLASHSIM_LAZY_TAU) {
+        a1 = ex2(m1 - mx1);
+        m1 = mx1;
+        l1 = __fmul_rn(l1p, a1);
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t) {
+            const float p2 = ex2(fmaf(s[4 * t + 2], sl2, -mx1)), p3 = ex2(fmaf(s[4 * t + 3], sl2, -mx1));
+            l1 += p2 + p3;
+            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);
+        }
     }
 }
 // P (fp32, in s) to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A

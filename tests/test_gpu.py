@@ -666,9 +666,19 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
         import cupy as cp
         q, k, v = (cp.asarray(x) for x in (q, k, v))
     monkeypatch.setenv("FLASHSIM_TMA", "1")
+    own = None
+    if fs.kernels.cap_only("float16", kw.get("softcap"), kw.get("alibi_slopes")):
+        # a softcap alone runs its own instance under a lazy max
+        # (test_a_softcap_alone_runs_its_own_instance); the VAR instance gives wg's bits
+        own = fs.gpu.attention(q, k, v, **kw)
+        monkeypatch.setattr(fs.kernels, "cap_only", lambda *a: False)
+        calls.clear()
     ws = fs.gpu.attention(q, k, v, **kw)
     ws_io = fs.gpu.attention(q, k, v, count_io=True, **kw)
     assert len(calls) == 2
+    if own is not None:
+        assert np.abs(host(own[0]) - host(ws[0])).max() <= 4 * 2.0**-11 * float(np.abs(host(v)).max())
+        assert np.abs(host(own[1]) - host(ws[1])).max() <= 1e-5
     monkeypatch.setenv("FLASHSIM_TMA", "0")
     wg = fs.gpu.attention(q, k, v, **kw)
     wg_io = fs.gpu.attention(q, k, v, count_io=True, **kw)
@@ -680,15 +690,18 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 @pytest.mark.parametrize("d", (64, 96, 128))
-def test_a_bfloat16_softcap_runs_with_a_fixed_max(monkeypatch, d):
-    """A bfloat16 softcap without ALiBi runs flash2_fwd_ws's fixed-max instance
-    (kernels.CAP_FIXED: no running max, α or rescale), float16, a softcap past 54.4 and
-    ALiBi the online one. Against the simulator: the traffic exactly, O and L to the
-    kernel-precision twin's tolerance, rows that see no key 0 and −∞; logits held at ±c
-    by outliers, Nq ≠ Nk (rows past the keys under the bottom-right causal mask see none),
-    ragged tiles, a window that cuts tiles; and the two instances' O a few roundings of P
-    apart, their L a few float roundings."""
+def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
+    """A softcap without ALiBi runs flash2_fwd_ws's softcap instance (kernels.CAP_ONLY):
+    in bfloat16 under a fixed max (no running max, α or rescale), in float16 under a lazy
+    one (rows whose max passed m + 8 take the online step again). ALiBi, and in bfloat16 a
+    softcap past 54.4, run the online VAR instance. Against the simulator: the traffic
+    exactly, O and L to the kernel-precision twin's tolerance, rows that see no key 0 and
+    −∞; logits held at ±c by outliers, keys whose logits grow along the row (the lazy max
+    moves at many steps), Nq ≠ Nk (rows past the keys under the bottom-right causal mask
+    see none), ragged tiles, a window that cuts tiles; and the two instances' O a few
+    roundings of P apart, their L a few float roundings."""
     from flashsim.gpu import flash2
     seen = []
     real = flash2.dev.kernel
@@ -696,33 +709,36 @@ def test_a_bfloat16_softcap_runs_with_a_fixed_max(monkeypatch, d):
                         varlen=False: (seen.append((name, dtype, variant)),
                                        real(name, dtype, count_io, D, variant, varlen))[1])
     rng = np.random.default_rng(d)
-    rnd = make_precision("kernel", "bfloat16").io_round
+    rnd = make_precision("kernel", dtype).io_round
     q = rnd(rng.standard_normal((2, 4, 333, d))).astype(np.float64)
     k = rnd(rng.standard_normal((2, 2, 200, d))).astype(np.float64)
     v = rnd(rng.standard_normal((2, 2, 200, d))).astype(np.float64)
     q[:, :, :40] *= 16                                   # logits at ±c: tanh saturated
-    cases = [(50.0, dict()), (54.0, dict(causal=True)), (0.5, dict(window=(70, 3))),
-             (30.0, dict(window=(0, 0)))]
-    for c, kw in cases:
+    ramp = rnd(k * np.linspace(0.2, 6, 200)[:, None])    # later keys, larger logits
+    cases = [(50.0, k, dict()), (54.0, k, dict(causal=True)), (0.5, k, dict(window=(70, 3))),
+             (30.0, k, dict(window=(0, 0))), (50.0, ramp, dict()), (30.0, ramp, dict(causal=True))]
+    for c, kk, kw in cases:
         variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
         seen.clear()
-        check_variants_forward(q, k, v, "bfloat16", None, variants)
-        assert seen[-1] == ("flash2_fwd_ws", "bfloat16", fs.kernels.CAP_FIXED), (c, kw)
-    # the online instance where the fixed max does not apply
-    for dtype, c, slopes in (("float16", 30.0, None), ("bfloat16", 60.0, None),
-                             ("bfloat16", 30.0, rng.uniform(0, 0.5, 4))):
+        check_variants_forward(q, kk, v, dtype, None, variants)
+        assert seen[-1] == ("flash2_fwd_ws", dtype, fs.kernels.CAP_ONLY), (c, kw)
+    # the online instance where the softcap instance does not apply
+    for c, slopes in ((30.0, rng.uniform(0, 0.5, 4)),) + (((60.0, None),) if dtype == "bfloat16" else ()):
         variants = dict(causal=False, window=None, softcap=c, alibi_slopes=slopes)
         seen.clear()
         check_variants_forward(q, k, v, dtype, None, variants)
         assert seen[-1] == ("flash2_fwd_ws", dtype, True), (dtype, c)
     # the two instances on the same inputs: a few roundings of P apart
-    qd, kd, vd = (dev(x, "bfloat16") for x in (q, k, v))
-    fixed = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
-    monkeypatch.setattr(fs.kernels, "cap_fixed", lambda *a: False)
-    online = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
-    assert not np.array_equal(fixed[0], online[0])
-    np.testing.assert_allclose(fixed[0], online[0], atol=4 * 2.0**-8 * np.abs(v).max())
-    np.testing.assert_allclose(fixed[1], online[1], rtol=1e-6, atol=1e-5)
+    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
+    for kk in (k, ramp):
+        qd, kd, vd = (dev(x, dtype) for x in (q, kk, v))
+        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
+        with monkeypatch.context() as m:
+            m.setattr(fs.kernels, "cap_only", lambda *a: False)
+            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
+        assert not np.array_equal(own[0], online[0])
+        np.testing.assert_allclose(own[0], online[0], atol=4 * eps * np.abs(v).max())
+        np.testing.assert_allclose(own[1], online[1], rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
@@ -870,12 +886,16 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     tiles = fs.kernels.ws_blocks(d, var)
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     assert fs.gpu.block_sizes(qd, vd, **{x: y for x, y in kw.items() if x != "causal"}) == tiles
-    if tiles[1] == fs.kernels.WG_BLOCKS[d][1]:          # the same keys a tile: the same bits
+    # the same keys a tile and the same softmax (a softcap alone runs under a lazy max,
+    # kernels.cap_only): the same bits
+    same = (tiles[1] == fs.kernels.WG_BLOCKS[d][1]
+            and not fs.kernels.cap_only("float16", kw.get("softcap"), kw.get("alibi_slopes")))
+    if same:
         for a, b in zip(ws + ws_io[:2], wg + wg_io[:2]):
             assert np.array_equal(host(a), host(b))
     if tiles == fs.kernels.WG_BLOCKS[d]:
         assert ws_io[2] == wg_io[2]
-    else:                                                # d = 64: tiles of their own
+    if not same:                        # d = 64's tiles, or the lazy max: the simulator's
         sim = fs.simulate(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                           "flash2", block_sizes=tiles, io_dtype="float16",
                           **{key: (np.asarray(x) if key == "alibi_slopes" else x)

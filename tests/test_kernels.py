@@ -66,12 +66,12 @@ def test_every_kernel_compiles_without_spills(arch):
     # dims (32, 64, …, 256) and the backward's 2 kernels × 2 × 7 (all but 224), each plain,
     # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
     # forward × 2 dtypes × 8 head dims, the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
-    # TMA (sm_90a only): d = 64, 96, 128 × 2, plain and softcap/ALiBi, and bfloat16's fixed-max
-    # softcap at each d (kernels.CAP_FIXED), and its backward's 2
+    # TMA (sm_90a only): d = 64, 96, 128 × 2, plain, softcap/ALiBi and the softcap alone
+    # (kernels.CAP_ONLY), and its backward's 2
     # kernels at d = 64, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
     # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
-                                 + (48 + 84 + 12 + 3 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (48 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -243,6 +243,26 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
     # a producer warpgroup and one consumer per 64 rows: three at d = 64, two at 96 and 128
     assert [kernels.threads("flash2_fwd_ws", D, 90) for D in (64, 96, 128)] == [512, 384, 384]
     assert kernels.wg_supports(64, 64, "float16", 90, 227 * 1024, (128, 64), variant=True)
+
+
+def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
+    """kernels.cap_only: a softcap without ALiBi runs flash2_fwd_ws's CAP_ONLY instance, in
+    float16 at any softcap (a lazy max) and in bfloat16 where its fixed max leaves every P
+    ≤ 2^CAP_HEADROOM (softcap ≤ 54.4); ALiBi, no softcap, or other dtypes do not."""
+    cap_only = kernels.cap_only
+    assert cap_only("bfloat16", 30.0, None) and cap_only("bfloat16", 54.4, None)
+    assert not cap_only("bfloat16", 54.5, None)
+    assert cap_only("float16", 0.5, None) and cap_only("float16", 1e4, None)
+    for dtype in ("float16", "bfloat16"):
+        assert not cap_only(dtype, None, None)
+        assert not cap_only(dtype, 30.0, [0.1, 0.2])
+    assert not cap_only("float32", 30.0, None)
+    # the bound: 2C − 125 ≤ CAP_HEADROOM at c = 54.4, C = c·log2 e
+    import math
+    assert 2 * 54.4 * math.log2(math.e) - 125 <= kernels.CAP_HEADROOM < 2 * 54.5 * math.log2(math.e) - 125
+    D_of = {(i.dtype, i.D) for i in kernels.instances("flash2_ws.cu")
+            if i.kernel == "flash2_fwd_ws" and i.variant == kernels.CAP_ONLY}
+    assert D_of == {(t, D) for t in ("float16", "bfloat16") for D in kernels.WS_HEAD_DIMS}
 
 
 def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit_l2():

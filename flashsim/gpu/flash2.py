@@ -226,8 +226,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     right)`` (−1 unbounded; tiles outside the band are skipped), ``softcap=c`` and
     ``alibi_slopes`` ((heads,) or (batch, heads), fp32), on every rung (the fast rungs
     run softcap and ALiBi in their own template instances, so plain attention pays
-    nothing for them; in bfloat16 a softcap without ALiBi runs the Hopper forward with a
-    fixed softmax max, flashsim.kernels.cap_fixed).
+    nothing for them; a softcap without ALiBi runs the Hopper forward under a fixed
+    softmax max in bfloat16 and a lazy one in float16, flashsim.kernels.cap_only).
 
     ``algorithm``: "flash2" (default), or the paper's other two schedules on the
     reference rung, "flash1" (FlashAttention-1: K/V outer, O, ℓ, m through HBM at every
@@ -264,8 +264,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                                                       softcap, alibi_slopes)
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
-    # flash2_fwd_ws's instance: the VAR one, or the fixed-max softcap's (kernels.cap_fixed)
-    ws_var = K.CAP_FIXED if var and K.cap_fixed(dtype, softcap, alibi_slopes) else var
+    # flash2_fwd_ws's instance: the VAR one, or the softcap's alone (kernels.cap_only)
+    ws_var = K.CAP_ONLY if var and K.cap_only(dtype, softcap, alibi_slopes) else var
     P, Nq = shape.problems, shape.Nq
     # O laid out as q is (q read through its strides: no copies of (B, N, H, d) inputs)
     O = arrays.empty(cp, shape.batch_shape + (Nq, shape.dv), arrays.storage(cp, dtype),
@@ -721,7 +721,7 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool | int, c
     """The launcher of flash2_fwd_ws (the wg forward fed by TMA) for these arrays, or None
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs).
-    ``var``: its instance, plain (False), softcap/ALiBi (True) or kernels.CAP_FIXED."""
+    ``var``: its instance, plain (False), softcap/ALiBi (True) or kernels.CAP_ONLY."""
     d, dv = shape.d, shape.dv
     D = _instance(shape, "wg")
     tiles = _ws_tiles(shape, D, var=var)
