@@ -358,30 +358,25 @@ __device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], flo
     quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
     mx0 *= sl2;
     mx1 *= sl2;
-    a0 = a1 = 1.f;
+    // the online step again for row r0 + 8h where its max mx passed m + TAU
     // (−∞ > −∞ + TAU is false: a row that still sees no key keeps m = −∞, its P are 0)
-    if (mx0 > m0 + FLASHSIM_LAZY_TAU) {
-        a0 = ex2(m0 - mx0);
-        m0 = mx0;
-        l0 = __fmul_rn(l0p, a0);
+    auto redo = [&](int h, float mx, float& m, float& l, float lp, float& a) {
+        a = 1.f;
+        if (mx > m + FLASHSIM_LAZY_TAU) {
+            a = ex2(m - mx);
+            m = mx;
+            l = __fmul_rn(lp, a);
 #pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            const float p0 = ex2(fmaf(s[4 * t], sl2, -mx0)), p1 = ex2(fmaf(s[4 * t + 1], sl2, -mx0));
-            l0 += p0 + p1;
-            pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);
+            for (int t = 0; t < Bc / 8; ++t) {
+                const float p0 = ex2(fmaf(s[4 * t + 2 * h], sl2, -mx)),
+                            p1 = ex2(fmaf(s[4 * t + 2 * h + 1], sl2, -mx));
+                l += p0 + p1;
+                pf[t >> 1][(t & 1) * 2 + h] = pack<T>(p0, p1);
+            }
         }
-    }
-    if (mx1 > m1 + FLASHSIM_LAZY_TAU) {
-        a1 = ex2(m1 - mx1);
-        m1 = mx1;
-        l1 = __fmul_rn(l1p, a1);
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            const float p2 = ex2(fmaf(s[4 * t + 2], sl2, -mx1)), p3 = ex2(fmaf(s[4 * t + 3], sl2, -mx1));
-            l1 += p2 + p3;
-            pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);
-        }
-    }
+    };
+    redo(0, mx0, m0, l0, l0p, a0);
+    redo(1, mx1, m1, l1, l1p, a1);
 }
 // P (fp32, in s) to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A
 // fragment of k-step k (rows g and g + 8), the A operand of P V_j
