@@ -280,37 +280,28 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
                                            int nq, int nk, const Band& band, float sl2,
                                            float k_in, float k_out, float slope) {
     wg_scores<Bc, Br, VAR>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
-    if constexpr (FIXED) {
-        a0 = a1 = 1.f;
+    float ms0 = m0, ms1 = m1;                // FIXED: the caller's max, and α = 1
+    a0 = a1 = 1.f;
+    if constexpr (!FIXED) {
+        float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int t = 0; t < Bc / 8; ++t) {
-            s[4 * t] = ex2(fmaf(s[4 * t], sl2, -m0));
-            s[4 * t + 1] = ex2(fmaf(s[4 * t + 1], sl2, -m0));
-            s[4 * t + 2] = ex2(fmaf(s[4 * t + 2], sl2, -m1));
-            s[4 * t + 3] = ex2(fmaf(s[4 * t + 3], sl2, -m1));
-            l0 += s[4 * t] + s[4 * t + 1];
-            l1 += s[4 * t + 2] + s[4 * t + 3];
+            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
+            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
         }
-        return;
+        quad_max(mx0, mx1);              // the 4 threads of a quad share a row
+        ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
+        ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
+        a0 = ex2(m0 - ms0);
+        a1 = ex2(m1 - ms1);
+        m0 = mx0;
+        m1 = mx1;
+        // rounded here (mul.rn: never fused into the FADD below), so that every build of a
+        // kernel, fast or instrumented, adds the same ℓ·α: ptxas may fuse a plain mul.f32
+        // into the add that follows in one build and not in another
+        l0 = __fmul_rn(l0, a0);
+        l1 = __fmul_rn(l1, a1);
     }
-    float mx0 = m0, mx1 = m1;
-#pragma unroll
-    for (int t = 0; t < Bc / 8; ++t) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
-        mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
-    }
-    quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
-    const float ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
-    const float ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
-    a0 = ex2(m0 - ms0);
-    a1 = ex2(m1 - ms1);
-    m0 = mx0;
-    m1 = mx1;
-    // rounded here (mul.rn: never fused into the FADD below), so that every build of a
-    // kernel, fast or instrumented, adds the same ℓ·α: ptxas may fuse a plain mul.f32
-    // into the add that follows in one build and not in another
-    l0 = __fmul_rn(l0, a0);
-    l1 = __fmul_rn(l1, a1);
 #pragma unroll
     for (int t = 0; t < Bc / 8; ++t) {
         s[4 * t] = ex2(fmaf(s[4 * t], sl2, -ms0));
