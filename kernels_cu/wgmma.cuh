@@ -273,7 +273,7 @@ __device__ __forceinline__ void wg_scores(float* s, int j0, int i0, int r0, int 
 // band where the tile needs it, updates the running max m (log2 domain) and the partial
 // sums ℓ of rows r0, r0 + 8, leaves P = 2^(S·sl2 − m) in s (fp32), and returns in a0, a1
 // the factors (α) that O's rows must be scaled by. FIXED (flash2_fwd_ws's softcap instance
-// in bfloat16, cap_fixed_m below): m stays the fixed max the caller set, and α = 1.
+// in bfloat16, cap_fixed_m above): m stays the fixed max the caller set, and α = 1.
 template <int Bc, int Br, bool VAR, bool FIXED = false>
 __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float& l0, float& l1,
                                            float& a0, float& a1, int j0, int i0, int r0, int tig,
