@@ -313,8 +313,8 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
 #   no step needs a row max, α or a rescale of O. CAP_HEADROOM bounds P at 2^32: ℓ and O
 #   stay finite unless |V| ≥ 2^(96 − log2 Nk).
 # - float16, whose 2^−24 … 2^16 holds no such interval: a lazy running max (wgmma.cuh's
-#   wg_softmax_lazy). A step's exponentials take the m of the steps before, and only rows
-#   whose max passed m + 8 take the online step again.
+#   wg_softmax_lazy). A step's exponentials take the m of the steps before; only a warp
+#   where some P may pass 2^12 reduces its rows' max and takes the online step again.
 CAP_ONLY = 2
 CAP_HEADROOM = 32
 

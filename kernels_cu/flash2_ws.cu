@@ -42,8 +42,9 @@
 //                        (kernels.cap_only). In bfloat16 under a fixed softmax max: no
 //                        row max, α or rescale of O (wgmma.cuh's cap_fixed_m; NOTES v56).
 //                        In float16 under a lazy running max: a step's exponentials
-//                        take the steps before's m, and a row takes the online step
-//                        again only where its max passed m + 8 (wg_softmax_lazy; v57).
+//                        take the steps before's m, and a warp reduces its rows' max
+//                        and takes the online step only where some P may pass 2^12
+//                        (wg_softmax_lazy; v57, v59).
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
 //                        outside the tensor, so a ragged last tile arrives zero-filled. A

@@ -234,7 +234,7 @@ FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 // tanh → ex2 per score (NOTES v56). flashsim.kernels.cap_only says where it runs
 // (2C − 125 ≤ 32: c ≤ 54.4, Gemma 2's 50 and Grok's 30 included; P ≤ 2^32 leaves ℓ and O
 // finite unless |V| ≥ 2^(96 − log2 Nk)); float16's range, 2^−24 … 2^16, is too narrow (its
-// softcap takes wg_softmax_lazy below).
+// softcap takes wg_softmax_lazy below, NOTES v57, v59).
 __device__ __forceinline__ float cap_fixed_m(float k_out) { return fminf(k_out, 125.f - k_out); }
 
 // The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
@@ -313,17 +313,17 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
     }
 }
 // wg_softmax with a lazy running max (flash2_fwd_ws's softcap instance in float16, whose
-// range holds no fixed max; not a tile's first step, whose m is still −∞ and which takes
-// wg_softmax): P = 2^(S·sl2 − m) with the m of the steps before, so that the exponentials
-// do not wait for this tile's row max, packed to T into pf as they come (the caller has
-// waited for the product that reads pf), and ℓ summed. The row max is reduced beside them;
-// only a row whose max passed m + TAU (P would exceed 2^TAU: float16's range ends at 2^16)
-// takes the online step again from its scores, still in s: m moves to the row max,
-// α = 2^(m_old − m), ℓ = ℓ_old·α + Σ P. Elsewhere α = 1. The max only moves up, so every
-// P ≤ 2^TAU, and L = m + log2 ℓ holds for any m.
-#ifndef FLASHSIM_LAZY_TAU
-#define FLASHSIM_LAZY_TAU 8.f
-#endif
+// range holds no fixed max; not a tile's first step, which takes wg_softmax): P =
+// 2^(S·sl2 − m) with the m of the steps before, so that the exponentials wait for no row
+// max, packed to T into pf as they come (the caller has waited for the product that reads
+// pf), and each thread's shares of the rows' Σ P summed. A share (Bc/4 keys) bounds each of
+// its P, as every P ≥ 0: where no thread of the warp holds a share above 2^12, every P ≤
+// 2^12 (float16's range ends at 2^16), α = 1, and the step is done with no row max (NOTES
+// v59). Otherwise, or where a row of the warp has seen no key yet (m = −∞: its P were
+// taken against 0), the warp reduces its rows' max from their scores, still in s, and each
+// row whose max passed m takes the online step: m moves to the row max, α = 2^(m_old − m),
+// P and ℓ = ℓ_old·α + Σ P again. m only moves up, to a row max, and L = m + log2 ℓ holds
+// for any m.
 template <typename T, int Bc, int Br, bool VAR>
 __device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], float& m0, float& m1,
                                                 float& l0, float& l1, float& a0, float& a1, int j0,
@@ -331,43 +331,54 @@ __device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], flo
                                                 const Band& band, float sl2, float k_in,
                                                 float k_out, float slope) {
     wg_scores<Bc, Br, VAR>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
-    const float ms0 = m0 == neg_inf<float>() ? 0.f : m0;   // (rows that saw no key yet:
-    const float ms1 = m1 == neg_inf<float>() ? 0.f : m1;   // any key they see now moves m)
-    const float l0p = l0, l1p = l1;
-    float mx0 = neg_inf<float>(), mx1 = neg_inf<float>();
+    const float ms0 = m0 == neg_inf<float>() ? 0.f : m0;
+    const float ms1 = m1 == neg_inf<float>() ? 0.f : m1;
+    float st0 = 0.f, st1 = 0.f;                            // this thread's shares of Σ P
 #pragma unroll
     for (int t = 0; t < Bc / 8; ++t) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]));
         const float p0 = ex2(fmaf(s[4 * t], sl2, -ms0)), p1 = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
         const float p2 = ex2(fmaf(s[4 * t + 2], sl2, -ms1)), p3 = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
-        l0 += p0 + p1;
-        l1 += p2 + p3;
+        st0 += p0 + p1;
+        st1 += p2 + p3;
         pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);
         pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);
     }
-    quad_max(mx0, mx1);                  // the 4 threads of a quad share a row
-    mx0 *= sl2;
-    mx1 *= sl2;
-    // the online step again for row r0 + 8h where its max mx passed m + TAU
-    // (−∞ > −∞ + TAU is false: a row that still sees no key keeps m = −∞, its P are 0)
-    auto redo = [&](int h, float mx, float& m, float& l, float lp, float& a) {
-        a = 1.f;
-        if (mx > m + FLASHSIM_LAZY_TAU) {
-            a = ex2(m - mx);
-            m = mx;
-            l = __fmul_rn(lp, a);
+    a0 = a1 = 1.f;
+    constexpr float bound = 4096.f;                        // 2^12
+    // (!(x <= bound): an infinite or NaN share fires too)
+    const bool quiet = st0 <= bound && st1 <= bound && m0 != neg_inf<float>() && m1 != neg_inf<float>();
+    if (__any_sync(0xffffffffu, !quiet)) {
+        float mx0 = neg_inf<float>(), mx1 = neg_inf<float>();
 #pragma unroll
-            for (int t = 0; t < Bc / 8; ++t) {
-                const float p0 = ex2(fmaf(s[4 * t + 2 * h], sl2, -mx)),
-                            p1 = ex2(fmaf(s[4 * t + 2 * h + 1], sl2, -mx));
-                l += p0 + p1;
-                pf[t >> 1][(t & 1) * 2 + h] = pack<T>(p0, p1);
-            }
+        for (int t = 0; t < Bc / 8; ++t) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]));
         }
-    };
-    redo(0, mx0, m0, l0, l0p, a0);
-    redo(1, mx1, m1, l1, l1p, a1);
+        quad_max(mx0, mx1);              // the 4 threads of a quad share a row
+        mx0 *= sl2;
+        mx1 *= sl2;
+        // row r0 + 8h: the online step where its max passed m (−∞ > −∞ is false: a row
+        // that still sees no key keeps m = −∞, and its P are 0)
+        auto again = [&](int h, float mx, float& m, float& l, float& st, float& a) {
+            if (mx > m) {
+                a = ex2(m - mx);
+                m = mx;
+                l = __fmul_rn(l, a);
+                st = 0.f;
+#pragma unroll
+                for (int t = 0; t < Bc / 8; ++t) {
+                    const float p0 = ex2(fmaf(s[4 * t + 2 * h], sl2, -mx)),
+                                p1 = ex2(fmaf(s[4 * t + 2 * h + 1], sl2, -mx));
+                    st += p0 + p1;
+                    pf[t >> 1][(t & 1) * 2 + h] = pack<T>(p0, p1);
+                }
+            }
+        };
+        again(0, mx0, m0, l0, st0, a0);
+        again(1, mx1, m1, l1, st1, a1);
+    }
+    l0 += st0;
+    l1 += st1;
 }
 // P (fp32, in s) to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A
 // fragment of k-step k (rows g and g + 8), the A operand of P V_j

@@ -695,12 +695,14 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
     """A softcap without ALiBi runs flash2_fwd_ws's softcap instance (kernels.CAP_ONLY):
     in bfloat16 under a fixed max (no running max, α or rescale), in float16 under a lazy
-    one (rows whose max passed m + 8 take the online step again). ALiBi, and in bfloat16 a
+    one (a warp takes the online step only where some P may pass 2^12, or a row sees its
+    first key after the tile's first step). ALiBi, and in bfloat16 a
     softcap past 54.4, run the online VAR instance. Against the simulator: the traffic
     exactly, O and L to the kernel-precision twin's tolerance, rows that see no key 0 and
     −∞; logits held at ±c by outliers, keys whose logits grow along the row (the lazy max
     moves at many steps), Nq ≠ Nk (rows past the keys under the bottom-right causal mask
-    see none), ragged tiles, a window that cuts tiles; and the two instances' O a few
+    see none), ragged tiles, a window that cuts tiles (rows whose first key comes after
+    their tile's first step, with a softcap of 0.5: no P near 2^12); and the two instances' O a few
     roundings of P apart, their L a few float roundings."""
     from flashsim.gpu import flash2
     seen = []
