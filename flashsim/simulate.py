@@ -15,6 +15,7 @@ from .memory import Machine
 from .problem import (ALGORITHMS, Shape, canon_batch, canonical, check_algorithm, check_arrays,
                       check_options, check_scale, itemsize_of, restore)
 from .tiling import Tiles, parse_size, resolve_block_sizes
+from . import running_max
 from .precision import EXACT, Precision, make_precision
 from .variants import Scores, make_scores
 from .traffic import Traffic
@@ -48,7 +49,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
              causal: bool = False, scale=None, io_dtype=None, window=None, softcap=None,
              alibi_slopes=None, num_splits=None, cluster: bool = False,
              precision: str = "float64", hardware=None, launch: str = "auto",
-             world_size=None, assignment: str = "contiguous") -> Result:
+             world_size=None, assignment: str = "contiguous",
+             softmax_max: str = "online") -> Result:
     """Run ``algorithm`` on q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) and count its
     HBM traffic.
 
@@ -61,6 +63,10 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     ``softcap``, ``alibi_slopes`` (see `flashsim.variants`). ``precision="kernel"``
     (standard, flash1, flash2) reproduces the GPU kernels' rounding (see
     `flashsim.precision`; flash1 rounds O to the I/O type each time it goes back to HBM).
+    ``softmax_max`` (flash2): the m its exponentials take, "online" (the running max,
+    default), "fixed" or "lazy", the rules of the Hopper forward's softcap instance in
+    bfloat16 and float16 (`flashsim.running_max`; `flashsim.gpu.softmax_max` says which
+    a launch runs). Traffic is the same under each; O and L differ by roundings.
 
     Standard attention takes no SRAM size: its three passes (S, P, O through HBM) are
     counted as whole-matrix operations, each operand read once, as the paper counts them;
@@ -76,6 +82,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     """
     algorithm = check_algorithm(algorithm)
     q, k, v, shape = check_arrays(q, k, v)
+    softmax_max = running_max.check_rule(softmax_max, "ring" if world_size is not None
+                                         else algorithm)
     itemsize = itemsize_of(q.dtype if io_dtype is None else io_dtype)
     if algorithm == "ring" or world_size is not None:
         return _ring_result(q, k, v, shape, algorithm, world_size, assignment, causal,
@@ -92,6 +100,9 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
                          alibi_slopes)
     opts = check_options(algorithm, num_splits=num_splits, cluster=cluster)
+    running_max.check_scores(softmax_max, scores.softcap, scores.slopes)
+    if softmax_max != "online":
+        opts = {**opts, "softmax_max": softmax_max}
     blocks = resolve_block_sizes(algorithm, sram_bytes=sram_bytes, block_sizes=block_sizes,
                                  d=shape.d, dv=shape.dv, itemsize=itemsize)
     budget = parse_size(sram_bytes) if sram_bytes is not None else None
@@ -269,24 +280,39 @@ def _flash1(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
 # -- FlashAttention-2 forward (Q outer, K/V inner, deferred normalisation) ---------------
 
 def kv_sweep(mc: Machine, Qi, K, V, shape: Shape, tiles: Tiles, scores: Scores, i: int,
-             j_first: int, j_last: int, prec: Precision = EXACT):
+             j_first: int, j_last: int, prec: Precision = EXACT, softmax_max: str = "online"):
     """FlashAttention-2's inner loop for Q tile i over K/V tiles j_first..j_last: the
-    online softmax with deferred normalisation. Returns the unnormalised O_i and the row
-    statistics m_i, ℓ_i (still in SRAM; the caller owns their slots)."""
+    online softmax with deferred normalisation (``softmax_max``: the m its exponentials
+    take, `flashsim.running_max`). Returns the unnormalised O_i and the row statistics
+    m_i, ℓ_i (still in SRAM; the caller owns their slots)."""
     rows = Qi.shape[-2]
     Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv),
                   dtype=prec.acc)
-    mi = np.full(Oi.shape[:-1], NEG_INF, dtype=prec.acc)
+    m0 = running_max.fixed_max(scores.softcap) if softmax_max == "fixed" else NEG_INF
+    mi = np.full(Oi.shape[:-1], m0, dtype=prec.acc)
     li = np.zeros(Oi.shape[:-1], dtype=prec.acc)
+    lazy = softmax_max == "lazy"
+    if lazy:      # its vote counts the kernel's rows past Nq in the last tile's last warp
+        past = np.arange(i * tiles.Br + rows, i * tiles.Br + rows + (-rows) % running_max.WARP_ROWS)
+        unseen_past = np.ones(past.shape, dtype=bool)
     for j in range(j_first, j_last + 1):
         j0, j1 = j * tiles.Bc, min((j + 1) * tiles.Bc, shape.Nk)
         Kj = mc.load("K", K, j0, j1)                             # HBM→SRAM: K_j (Bc·d)
         Vj = mc.load("V", V, j0, j1)                             # HBM→SRAM: V_j (Bc·dv)
         mc.scratch("S", rows, j1 - j0)
         S, _ = scores.tile(Qi, Kj, tiles, i, j)
-        m_new = np.maximum(mi, S.max(axis=-1))
-        P = np.exp(S - _safe(m_new)[..., None])                  # P̃_ij overwrites S_ij
-        alpha = np.exp(mi - _safe(m_new))                        # e^{m_old − m_new}
+        if softmax_max == "fixed":                               # m fixed: no α
+            m_new = mi
+            P = np.exp(S - mi[..., None])
+            alpha = np.ones_like(mi)
+        elif lazy and j > j_first:
+            P, alpha, m_new = running_max.lazy_step(S, mi, unseen_past)
+        else:
+            m_new = np.maximum(mi, S.max(axis=-1))
+            P = np.exp(S - _safe(m_new)[..., None])              # P̃_ij overwrites S_ij
+            alpha = np.exp(mi - _safe(m_new))                    # e^{m_old − m_new}
+        if lazy:
+            unseen_past &= ~tiles.band.allowed(past, np.arange(j0, j1), tiles.off).any(axis=-1)
         li = alpha * li + P.sum(axis=-1)
         Oi = alpha[..., None] * Oi + prec.io_round(P) @ Vj       # unnormalised until the end
         mi = m_new
@@ -295,7 +321,7 @@ def kv_sweep(mc: Machine, Qi, K, V, shape: Shape, tiles: Tiles, scores: Scores, 
 
 
 def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
-            prec: Precision = EXACT):
+            prec: Precision = EXACT, softmax_max: str = "online"):
     Br, Bc = tiles.Br, tiles.Bc
     O = _hbm(shape, shape.dv, np.nan)     # poisoned: every row must be written
     L = _hbm(shape, None, np.nan)
@@ -314,7 +340,8 @@ def _flash2(mc: Machine, Q, K, V, shape: Shape, tiles: Tiles, scores: Scores,
         Qi = mc.load("Q", Q, i0, i1)                             # HBM→SRAM: Q_i (Br·d)
         mc.scratch("l", rows, stat=True)
         mc.scratch("m_new", rows, stat=True)
-        Oi, mi, li = kv_sweep(mc, Qi, K, V, shape, tiles, scores, i, jlo[i], jhi[i], prec)
+        Oi, mi, li = kv_sweep(mc, Qi, K, V, shape, tiles, scores, i, jlo[i], jhi[i], prec,
+                              softmax_max)
         seen = li > 0
         Oi = Oi / np.where(seen, li, 1.0)[..., None]             # diag(ℓ_i)^−1 O_i, once
         with np.errstate(divide="ignore"):

@@ -1253,22 +1253,27 @@ def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
     out, lse, traffic = fs.gpu.attention(qd, kd, vd, block_sizes=blocks, count_io=True,
                                          kernel=kernel, **variants)
     out, lse = host(out), host(lse)
-    blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel, window=variants["window"],
-                                          softcap=variants["softcap"],
-                                          alibi_slopes=variants["alibi_slopes"])
-    assert_matches_simulator(out, lse, traffic, q, k, v, dtype, "flash2", blocks, variants)
+    asked = dict(window=variants["window"], softcap=variants["softcap"],
+                 alibi_slopes=variants["alibi_slopes"])
+    blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel, **asked)
+    # the twin under the rule for m the launch ran (the softcap instance's fixed or lazy max)
+    rule = fs.gpu.softmax_max(qd, vd, kernel=kernel, **asked)
+    assert_matches_simulator(out, lse, traffic, q, k, v, dtype, "flash2", blocks, variants,
+                             softmax_max=rule)
 
 
-def assert_matches_simulator(out, lse, traffic, q, k, v, dtype, algorithm, blocks, variants):
+def assert_matches_simulator(out, lse, traffic, q, k, v, dtype, algorithm, blocks, variants,
+                             softmax_max="online"):
     """A GPU forward against the simulator at the tiles it ran: the traffic exactly
     (skipped tiles included), the rows that see no key (out 0, lse −∞), and out and lse
     against the kernel-precision twin (the same roundings: flash1's O at every step,
-    standard's S and P, square's E_ij in the I/O type; fp32 sums in another order).
+    standard's S and P, square's E_ij in the I/O type; fp32 sums in another order; the
+    kernel's rule for the softmax's m, ``softmax_max``).
     Returns the float64 simulation, for the caller's rule against it."""
     sim = fs.simulate(q, k, v, algorithm, block_sizes=blocks, io_dtype=dtype, **variants)
     assert traffic == sim.traffic, traffic.diff(sim.traffic)
     simk = fs.simulate(q, k, v, algorithm, block_sizes=blocks, io_dtype=dtype,
-                       precision="kernel", **variants)
+                       precision="kernel", softmax_max=softmax_max, **variants)
     fin = np.isfinite(sim.lse)
     assert np.array_equal(np.isneginf(lse), ~fin)
     assert (out[~fin] == 0).all()

@@ -8,6 +8,8 @@ calls run the reference rung's kernels on the CPU (NumPy arrays in and out).
     dq, dk, dv = fs.gpu.attention_backward(q, k, v, out, lse, dout, causal=True)
     out, lse, traffic = fs.gpu.attention(q, k, v, count_io=True)
     traffic == fs.simulate(q, k, v, "flash2", block_sizes=fs.gpu.block_sizes(q, v)).traffic
+    fs.simulate(q, k, v, softcap=30.0, precision="kernel", block_sizes=fs.gpu.block_sizes(
+        q, v, softcap=30.0), softmax_max=fs.gpu.softmax_max(q, v, softcap=30.0))  # its twin
     out, lse = fs.gpu.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)  # packed batches
     out, lse = fs.gpu.attention(q, k, v, algorithm="flash1")   # or "standard": the paper's others
 
@@ -30,11 +32,11 @@ tiles on the reference rung (flash1_ref.cu, standard_ref.cu, square_ref.cu).
 
 from ._device import (GPUUnavailableError, INSTALL_HINT, THREADS, available, compile_options,
                       emulated, is_emulated, smem_limit)
-from .flash2 import KERNELS, attention, attention_backward, block_sizes
+from .flash2 import KERNELS, attention, attention_backward, block_sizes, softmax_max
 from .decode import KVCachePlan, attention_with_kvcache, kvcache_plan
 from .varlen import attention_varlen, attention_varlen_backward
 
 __all__ = ["GPUUnavailableError", "INSTALL_HINT", "KERNELS", "KVCachePlan", "THREADS",
            "attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_with_kvcache", "available", "block_sizes", "compile_options", "emulated",
-           "is_emulated", "kvcache_plan", "smem_limit"]
+           "is_emulated", "kvcache_plan", "smem_limit", "softmax_max"]

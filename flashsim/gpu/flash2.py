@@ -203,6 +203,24 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
     return _blocks(None, shape, qi.dtype, backward)
 
 
+def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
+                alibi_slopes=None) -> str:
+    """The rule for the softmax's m (`flashsim.running_max`) that `attention` runs these
+    inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
+    and "lazy" in float16 where a softcap without ALiBi runs the Hopper forward fed by the
+    copy engine (flashsim.kernels.cap_only), else "online"."""
+    qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
+    shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
+    var = softcap is not None or alibi_slopes is not None
+    if not (var and K.cap_only(qi.dtype, softcap, alibi_slopes)):
+        return "online"
+    which = _choose(kernel, shape, qi.dtype, None, variant=_asked(window, softcap, alibi_slopes),
+                    var=var)
+    if which != "wg" or _ws_tiles(shape, _instance(shape, which, False), var=var) is None:
+        return "online"
+    return "fixed" if qi.dtype == "bfloat16" else "lazy"
+
+
 # -- forward ------------------------------------------------------------------------------
 
 def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap=None,

@@ -1,0 +1,97 @@
+"""Which m a FlashAttention-2 forward subtracts before its exponentials: three rules.
+
+For any m, P = exp(S − m), ℓ = Σ P and O = P V / ℓ give the same softmax, and
+L = m + log ℓ the same log-sum-exp; the rules differ in what a step costs and in how P
+rounds once it is fed to the second product in the I/O type.
+
+- ``"online"`` (the papers'): m is the running row max, so every P ≤ 1, the largest is
+  exactly 1, and each step reduces its rows' max, rescales ℓ and O by α = exp(m_old − m).
+- ``"fixed"``: with a softcap c and no ALiBi every logit lies in (−c, c), so one m for
+  the whole row keeps P in a known interval: m = min(c, 125·ln 2 − c), the kernels'
+  ``cap_fixed_m`` (log2 units there), gives P ∈ [2^−125, 2^max(0, 2C − 125)],
+  C = c·log2 e, normal in float32 and bfloat16. No row max, no α, no rescale. The
+  Hopper forward's softcap instance runs it in bfloat16 (`flashsim.kernels.cap_only`);
+  as there, 2C − 125 may be at most `flashsim.kernels.CAP_HEADROOM`.
+- ``"lazy"``: a step takes P = exp(S − m) with the m of the steps before, and moves m
+  only where P might leave the I/O type's range. The rule is the Hopper forward's
+  float16 softcap instance's (wgmma.cuh's ``wg_softmax_lazy``), modelled at its
+  granularity: a tile's first step is an online one; after it, the 4 threads of a row
+  each sum P over their share of the tile's keys (key c to thread (c mod 8) // 2), and a
+  warp (16 rows from the tile's first) takes the online step only where a share of one
+  of its rows passed 2^12, or one of its rows has seen no key yet. Rows of the last tile
+  past Nq count as the kernel's do: zero scores, masked by the band.
+
+The rule changes no byte of traffic: m and ℓ live in SRAM either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .kernels import CAP_HEADROOM, cap_only   # P ≤ 2^CAP_HEADROOM under the fixed max
+
+RULES = ("online", "fixed", "lazy")
+LAZY_BOUND = 2.0**12     # a quiet step's P stays ≤ this (float16's range ends at 2^16)
+WARP_ROWS = 16           # rows of S a warp of a 64-row warpgroup holds (m64nNk16)
+QUAD = 4                 # threads that share a row, each holding keys 2t, 2t + 1 of 8
+
+
+def check_rule(rule, algorithm: str) -> str:
+    """``rule`` validated for ``algorithm``, with a message that says how to fix it."""
+    if rule not in RULES:
+        raise ValueError(f"softmax_max must be one of {RULES}, got {rule!r}")
+    if rule != "online" and algorithm != "flash2":
+        raise ValueError(f"softmax_max={rule!r} is a rule of the flash2 forward; "
+                         f"algorithm={algorithm!r} runs the online one (softmax_max='online')")
+    return rule
+
+
+def check_scores(rule: str, softcap, slopes) -> None:
+    """The fixed rule's needs, on checked variants (`flashsim.variants.Scores`)."""
+    if rule != "fixed":
+        return
+    if softcap is None or slopes is not None:
+        raise ValueError("softmax_max='fixed' needs every logit bounded: a softcap and no "
+                         "alibi_slopes (whose bias is unbounded below); use 'online' or 'lazy'")
+    if not cap_only("bfloat16", softcap, None):             # the kernels' own bound
+        limit = (125 + CAP_HEADROOM) / (2 * math.log2(math.e))
+        raise ValueError(f"softmax_max='fixed' keeps P ≤ 2^{CAP_HEADROOM} only for "
+                         f"softcap ≤ {limit:.1f}, got {softcap}; use 'online' or 'lazy'")
+
+
+def fixed_max(softcap: float) -> float:
+    """The fixed rule's m, natural-log units: min(c, 125·ln 2 − c)."""
+    return min(float(softcap), 125 * math.log(2) - float(softcap))
+
+
+def _safe(m):
+    return np.where(np.isneginf(m), 0.0, m)
+
+
+def lazy_step(S, m, unseen_past=None):
+    """One step of the lazy rule on a tile's scores S (..., rows, keys) and the row max
+    m (..., rows) of the steps before: (P, α, m_new). ``unseen_past`` (rows past Nq in
+    the kernel's tile: (pad,) bool, True where such a row has seen no key yet) joins the
+    last warp's vote."""
+    rows, w = S.shape[-2:]
+    P = np.exp(S - _safe(m)[..., None])
+    Pk = np.concatenate([P, np.zeros(P.shape[:-1] + ((-w) % 8,), P.dtype)], axis=-1)
+    shares = Pk.reshape(P.shape[:-1] + (-1, QUAD, 2)).sum(axis=(-3, -1))
+    with np.errstate(invalid="ignore"):
+        quiet = np.all(shares <= LAZY_BOUND, axis=-1) & ~np.isneginf(m)
+    pad = (-rows) % WARP_ROWS
+    past = np.ones(pad, dtype=bool) if unseen_past is None else ~np.asarray(unseen_past)[:pad]
+    quiet = np.concatenate([quiet, np.broadcast_to(past, quiet.shape[:-1] + (pad,))], axis=-1)
+    warp = quiet.reshape(quiet.shape[:-1] + (-1, WARP_ROWS)).all(axis=-1)
+    fire = ~np.repeat(warp, WARP_ROWS, axis=-1)[..., :rows]
+    mx = S.max(axis=-1, initial=-np.inf)
+    move = fire & (mx > m)
+    m_new = np.where(move, mx, m)
+    alpha = np.where(move, np.exp(m - _safe(m_new)), 1.0).astype(P.dtype)
+    P = np.where(move[..., None], np.exp(S - _safe(m_new)[..., None]), P)
+    return P, alpha, m_new
+
+
+__all__ = ["RULES", "check_rule", "check_scores", "fixed_max", "lazy_step"]

@@ -1,0 +1,179 @@
+"""The three rules for the softmax's m (flashsim.running_max): the same attention in
+exact arithmetic, the same traffic, and in the kernels' precision the roundings each one
+causes; the lazy rule's bound and its warp-wide vote; bad requests refused."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import flashsim as fs
+from flashsim import running_max
+from flashsim.precision import make_precision
+
+
+def _inputs(seed, Nq=333, Nk=200, d=32, scale=3.0, dtype="float16"):
+    rng = np.random.default_rng(seed)
+    rnd = make_precision("kernel", dtype).io_round
+    q, k = (rnd(rng.standard_normal((2, 2, n, d)) * scale).astype(np.float64) for n in (Nq, Nk))
+    v = rnd(rng.standard_normal((2, 2, Nk, d))).astype(np.float64)
+    return q, k, v
+
+
+VARIANTS = [dict(), dict(causal=True), dict(window=(70, 3)), dict(window=(0, 0))]
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+@pytest.mark.parametrize("rule", ["fixed", "lazy"])
+def test_every_rule_is_the_same_attention_and_traffic(rule, kw):
+    """exp(S − m)/Σ exp(S − m) is the softmax for any m: in float64 each rule gives the
+    online rule's O and L to float64 roundings, with the same bytes moved, rows that
+    see no key included (O = 0, L = −∞)."""
+    q, k, v = _inputs(0)
+    common = dict(block_sizes=(64, 32), softcap=30.0, io_dtype="float16", **kw)
+    online = fs.simulate(q, k, v, **common)
+    ruled = fs.simulate(q, k, v, softmax_max=rule, **common)
+    assert ruled.traffic == online.traffic
+    fin = np.isfinite(online.lse)
+    assert np.array_equal(np.isfinite(ruled.lse), fin)
+    assert (ruled.out[~fin] == 0).all()
+    np.testing.assert_allclose(ruled.out, online.out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(ruled.lse[fin], online.lse[fin], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", VARIANTS[:3])
+def test_the_kernel_precision_shows_each_rules_roundings(kw):
+    """In the kernels' precision the fixed (bfloat16) and lazy (float16) rules round the
+    dominant key's weight P ≠ 1 to the I/O type, which the online rule's P = 1 never is:
+    on peaked rows (q, k × 3) their O is further from the exact one than the online
+    rule's, within a few roundings of P; L, which takes ℓ in fp32, is not."""
+    for dtype, rule, eps in (("bfloat16", "fixed", 2.0**-8), ("float16", "lazy", 2.0**-11)):
+        q, k, v = _inputs(1, dtype=dtype)
+        common = dict(block_sizes=(64, 64), softcap=30.0, io_dtype=dtype, **kw)
+        exact = fs.simulate(q, k, v, **common)
+        online, ruled = (fs.simulate(q, k, v, precision="kernel", softmax_max=r, **common)
+                         for r in ("online", rule))
+        e_online, e_ruled = (np.abs(x.out - exact.out).max() for x in (online, ruled))
+        assert e_online < e_ruled <= 4 * eps * np.abs(v).max(), (dtype, e_online, e_ruled)
+        fin = np.isfinite(exact.lse)
+        for x in (online, ruled):
+            np.testing.assert_allclose(x.lse[fin], exact.lse[fin], rtol=0, atol=1e-5)
+
+
+def test_a_row_of_one_key_gives_v_under_the_online_max_alone():
+    """One key: the online rule's P = 1 gives O = V exactly; the fixed one's P is
+    2^(x − m) rounded to bfloat16, over ℓ in fp32, a rounding away (as measured on the
+    GPU, NOTES v60)."""
+    q, k, v = _inputs(2, Nq=64, Nk=1, dtype="bfloat16")
+    common = dict(block_sizes=(64, 64), softcap=30.0, io_dtype="bfloat16", precision="kernel")
+    online = fs.simulate(q, k, v, **common)
+    fixed = fs.simulate(q, k, v, softmax_max="fixed", **common)
+    target = np.broadcast_to(v, online.out.shape)
+    assert np.array_equal(online.out, target)
+    assert not np.array_equal(fixed.out, target)
+    np.testing.assert_allclose(fixed.out, target, rtol=2.0**-7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.data())
+def test_a_lazy_step_keeps_every_p_within_its_bound(rows, keys, data):
+    """Whatever the scores (masked entries included) and the m before (−∞ included), a
+    lazy step leaves every P in [0, 2^12], m only up and never past the row's max, α in
+    [0, 1] and 1 wherever m stays, and ℓ·α + Σ P, O·α + P V equal to the online step's
+    in exact arithmetic."""
+    finite = st.floats(-60, 60)
+    S = data.draw(arrays(np.float64, (rows, keys), elements=st.one_of(finite, st.just(-np.inf))))
+    m = data.draw(arrays(np.float64, (rows,), elements=st.one_of(finite, st.just(-np.inf))))
+    P, alpha, m_new = running_max.lazy_step(S, m)
+    assert np.isfinite(P).all() and (P >= 0).all() and (P <= running_max.LAZY_BOUND).all()
+    assert (m_new >= m).all()
+    mx = S.max(axis=-1)
+    assert ((m_new == m) | (m_new == mx)).all()
+    assert ((alpha >= 0) & (alpha <= 1)).all() and (alpha[m_new == m] == 1).all()
+    # the step against the online one: both give Σ exp(S − ref) for their own ref
+    ref = np.where(np.isneginf(m_new), 0.0, m_new)
+    np.testing.assert_allclose(P, np.exp(S - ref[:, None]), rtol=1e-12, atol=0)
+
+
+def test_the_lazy_vote_is_a_warps():
+    """A share of one row past 2^12 moves every row of its warp (16 rows) whose max
+    passed m, and no row of another warp; a row that has seen no key moves its warp too."""
+    rows, keys = 48, 64
+    S = np.zeros((rows, keys))
+    m = np.full(rows, -1.0)                    # every row's max (0) passed m by 1
+    P, alpha, m_new = running_max.lazy_step(S, m)
+    assert (m_new == m).all() and (alpha == 1).all()          # shares e·16 ≪ 2^12: quiet
+    S[20, 0:2] = 12.0                          # row 20 (warp 1): one thread's share > 2^12
+    P, alpha, m_new = running_max.lazy_step(S, m)
+    moved = m_new != m
+    assert moved[16:32].all() and not moved[:16].any() and not moved[32:].any()
+    assert m_new[20] == 12.0 and (m_new[16:32][np.arange(16) != 4] == 0.0).all()
+    S[20, 0:2] = 0.0
+    m[40] = -np.inf                            # row 40 (warp 2) has seen no key
+    P, alpha, m_new = running_max.lazy_step(S, m)
+    moved = m_new != m
+    assert moved[32:].all() and not moved[:32].any()
+    # keys spread over the 4 threads of the quad: 2^12 in all, under 2^12 each: quiet
+    S2 = np.full((16, 8), np.log(2.0**12 / 8))
+    assert (running_max.lazy_step(S2, np.zeros(16))[2] == 0).all()
+    S2[0, :2] = np.log(2.0**12 / 2) + 0.01       # one thread's two keys: fires
+    assert running_max.lazy_step(S2, np.zeros(16))[2][0] > 0
+
+
+def test_rows_past_nq_vote_as_the_kernels_do():
+    """In the last Q tile the kernel's rows past Nq hold zero scores under the band: one
+    that has seen no key yet (m = −∞) makes its warp take the online step."""
+    S = np.zeros((10, 8))                      # 10 real rows; 6 past Nq fill the warp
+    m = np.full(10, -1.0)
+    assert (running_max.lazy_step(S, m)[2] == m).all()
+    unseen = np.zeros(6, dtype=bool)
+    unseen[3] = True
+    assert (running_max.lazy_step(S, m, unseen)[2] == 0).all()
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(softmax_max="running"), "softmax_max must be one of"),
+    (dict(softmax_max="lazy", algorithm="flash1"), "rule of the flash2 forward"),
+    (dict(softmax_max="fixed", algorithm="splitkv", num_splits=2), "rule of the flash2"),
+    (dict(softmax_max="fixed"), "needs every logit bounded"),
+    (dict(softmax_max="fixed", softcap=30.0, alibi_slopes=np.full(2, 0.1)), "bounded"),
+    (dict(softmax_max="fixed", softcap=60.0), "softcap ≤ 54.4"),
+    (dict(softmax_max="lazy", algorithm="ring", world_size=2), "rule of the flash2"),
+])
+def test_a_rule_that_cannot_run_is_refused(kwargs, says):
+    q, k, v = _inputs(3, Nq=32, Nk=32, d=8)
+    kwargs = {"block_sizes": (16, 16), "algorithm": "flash2", **kwargs}
+    if kwargs["algorithm"] == "ring":
+        kwargs.pop("block_sizes")
+    with pytest.raises(ValueError, match=says):
+        fs.simulate(q, k, v, **kwargs)
+
+
+def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
+    """fs.gpu.softmax_max: "lazy" (float16) and "fixed" (bfloat16) where a softcap without
+    ALiBi runs the Hopper forward fed by the copy engine, "online" elsewhere: no softcap,
+    ALiBi, bfloat16 past softcap 54.4, FLASHSIM_TMA=0, another rung, a head dim the copy
+    engine's forward has no instance for."""
+    from flashsim.gpu import flash2
+    rung = ["wg"]
+    monkeypatch.setattr(flash2, "_choose", lambda *a, **kw: rung[0])
+    monkeypatch.setattr(flash2, "_instance", lambda shape, r="tc", backward=False: shape.d)
+    with fs.gpu.emulated():                  # arrays read without a GPU
+        q = np.zeros((1, 2, 256, 128), np.float16)
+        rule = fs.gpu.softmax_max
+        assert rule(q, q, softcap=30.0) == "lazy"
+        assert rule(q, q, softcap=30.0, window=(70, 3)) == "lazy"
+        assert rule(q, q) == "online" and rule(q, q, window=(8, 0)) == "online"
+        assert rule(q, q, softcap=30.0, alibi_slopes=np.full(2, 0.1, np.float32)) == "online"
+        h = np.zeros((1, 2, 256, 256), np.float16)
+        assert rule(h, h, softcap=30.0) == "online"          # D = 256: flash2_fwd_wg
+        monkeypatch.setenv("FLASHSIM_TMA", "0")
+        assert rule(q, q, softcap=30.0) == "online"
+        monkeypatch.delenv("FLASHSIM_TMA")
+        rung[0] = "tc"
+        assert rule(q, q, softcap=30.0) == "online"
+        rung[0] = "wg"
+        torch = pytest.importorskip("torch")
+        b = torch.zeros((1, 2, 256, 128), dtype=torch.bfloat16)
+        assert rule(b, b, softcap=50.0) == "fixed" and rule(b, b, softcap=60.0) == "online"
