@@ -376,6 +376,23 @@ def _copy_engine_forward(shape: Shape, block_sizes, backward: bool,
             and (block_sizes is None or tuple(block_sizes) == K.ws_blocks(D, variant)))
 
 
+def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", block_sizes=None,
+                 softcap=None, alibi_slopes=None) -> str:
+    """The rule for the softmax's m (`flashsim.running_max`) of the forward the project's
+    kernel ``launch`` runs on ``hardware``: the copy-engine forward's softcap instance
+    (kernels.cap_only) runs "fixed" in bfloat16 and "lazy" in float16, every other
+    launch "online" (`flashsim.gpu.softmax_max` on a real device)."""
+    hw = get_hardware(hardware)
+    dtype = dtype_name(io_dtype)
+    variant = softcap is not None or alibi_slopes is not None
+    if not (variant and K.cap_only(dtype, softcap, alibi_slopes)):
+        return "online"
+    if choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) != "wg" \
+            or not _copy_engine_forward(shape, block_sizes, False, variant):
+        return "online"
+    return "fixed" if dtype == "bfloat16" else "lazy"
+
+
 def _copy_engine_backward(shape: Shape) -> bool:
     """The Hopper rung's backward main loop of these head dims is flash2_bwd_ws (fed by
     the copy engine, kernels.ws_runs), with flash2_bwd_wg's tiles."""
@@ -978,4 +995,5 @@ def tiles_for(shape: Shape, io_dtype, hardware, *, backward: bool, launch: str,
 
 
 __all__ = ["Levels", "Launch", "Prediction", "LaunchPrediction", "launches", "predict",
-           "program", "simulate_l2", "sm_l2_traffic", "dispatch", "EFFICIENCY", "LEVELS"]
+           "program", "simulate_l2", "sm_l2_traffic", "dispatch", "softmax_rule", "EFFICIENCY",
+           "LEVELS"]

@@ -33,6 +33,7 @@ import numpy as np
 from .kernels import CAP_HEADROOM, cap_only   # P ≤ 2^CAP_HEADROOM under the fixed max
 
 RULES = ("online", "fixed", "lazy")
+AUTO = "auto"            # simulate's: the rule of the kernel it models on ``hardware``
 LAZY_BOUND = 2.0**12     # a quiet step's P stays ≤ this (float16's range ends at 2^16)
 WARP_ROWS = 16           # rows of S a warp of a 64-row warpgroup holds (m64nNk16)
 QUAD = 4                 # threads that share a row, each holding keys 2t, 2t + 1 of 8
@@ -40,8 +41,8 @@ QUAD = 4                 # threads that share a row, each holding keys 2t, 2t + 
 
 def check_rule(rule, algorithm: str) -> str:
     """``rule`` validated for ``algorithm``, with a message that says how to fix it."""
-    if rule not in RULES:
-        raise ValueError(f"softmax_max must be one of {RULES}, got {rule!r}")
+    if rule not in RULES + (AUTO,):
+        raise ValueError(f"softmax_max must be one of {RULES + (AUTO,)}, got {rule!r}")
     if rule != "online" and algorithm != "flash2":
         raise ValueError(f"softmax_max={rule!r} is a rule of the flash2 forward; "
                          f"algorithm={algorithm!r} runs the online one (softmax_max='online')")

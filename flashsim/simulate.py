@@ -66,7 +66,8 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
     ``softmax_max`` (flash2): the m its exponentials take, "online" (the running max,
     default), "fixed" or "lazy", the rules of the Hopper forward's softcap instance in
     bfloat16 and float16 (`flashsim.running_max`; `flashsim.gpu.softmax_max` says which
-    a launch runs). Traffic is the same under each; O and L differ by roundings.
+    a launch runs), or "auto" with ``hardware``: the rule of the kernel it models there.
+    Traffic is the same under each; O and L differ by roundings.
 
     Standard attention takes no SRAM size: its three passes (S, P, O through HBM) are
     counted as whole-matrix operations, each operand read once, as the paper counts them;
@@ -99,6 +100,15 @@ def simulate(q, k, v, algorithm: str = "flash2", *, sram_bytes=None, block_sizes
             variant=softcap is not None or alibi_slopes is not None)
     scores = make_scores(shape, check_scale(scale, shape.d), causal, window, softcap,
                          alibi_slopes)
+    if softmax_max == running_max.AUTO:
+        if hardware is None:
+            raise ValueError("softmax_max='auto' takes the rule of the kernel launched on "
+                             "hardware=; give hardware (e.g. 'H100'), or name the rule: "
+                             f"one of {running_max.RULES}")
+        from . import hierarchy
+        softmax_max = hierarchy.softmax_rule(
+            shape, q.dtype if io_dtype is None else io_dtype, hardware, launch=launch,
+            block_sizes=hw_blocks, softcap=scores.softcap, alibi_slopes=scores.slopes)
     opts = check_options(algorithm, num_splits=num_splits, cluster=cluster)
     running_max.check_scores(softmax_max, scores.softcap, scores.slopes)
     if softmax_max != "online":

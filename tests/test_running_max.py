@@ -177,3 +177,30 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         torch = pytest.importorskip("torch")
         b = torch.zeros((1, 2, 256, 128), dtype=torch.bfloat16)
         assert rule(b, b, softcap=50.0) == "fixed" and rule(b, b, softcap=60.0) == "online"
+
+
+def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
+    """softmax_max="auto" with hardware=: the copy-engine forward's softcap instance on a
+    Hopper GPU runs "fixed" in bfloat16 and "lazy" in float16; ALiBi, no softcap, an
+    Ampere GPU or the other rungs run "online". Without hardware, "auto" is refused."""
+    from flashsim import hierarchy
+    from flashsim.problem import Shape
+    shape = Shape(200, 200, 64, 64, (1,), (2,), (2,), 2)
+    rule = hierarchy.softmax_rule
+    assert rule(shape, "bfloat16", "H100", softcap=30.0) == "fixed"
+    assert rule(shape, "float16", "H100", softcap=30.0) == "lazy"
+    assert rule(shape, "bfloat16", "H100", softcap=60.0) == "online"
+    assert rule(shape, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "online"
+    assert rule(shape, "float16", "H100") == "online"
+    assert rule(shape, "float16", "A100", softcap=30.0) == "online"
+    assert rule(shape, "float16", "H100", softcap=30.0, launch="tc") == "online"
+    q, k, v = _inputs(4, Nq=200, Nk=200, d=64)
+    for dtype, named in (("bfloat16", "fixed"), ("float16", "lazy")):
+        common = dict(softcap=30.0, io_dtype=dtype, precision="kernel", hardware="H100")
+        auto = fs.simulate(q, k, v, softmax_max="auto", **common)
+        ruled = fs.simulate(q, k, v, softmax_max=named, **common)
+        online = fs.simulate(q, k, v, **common)
+        assert np.array_equal(auto.out, ruled.out) and np.array_equal(auto.lse, ruled.lse)
+        assert not np.array_equal(auto.out, online.out)
+    with pytest.raises(ValueError, match="give hardware"):
+        fs.simulate(q, k, v, block_sizes=(64, 64), softcap=30.0, softmax_max="auto")
