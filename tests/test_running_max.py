@@ -174,6 +174,8 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         rung[0] = "tc"
         assert rule(q, q, softcap=30.0) == "online"
         rung[0] = "wg"
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            rule(q, q, kernel="fast")
         torch = pytest.importorskip("torch")
         b = torch.zeros((1, 2, 256, 128), dtype=torch.bfloat16)
         assert rule(b, b, softcap=50.0) == "fixed" and rule(b, b, softcap=60.0) == "online"

@@ -209,6 +209,8 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
     and "lazy" in float16 where a softcap without ALiBi runs the Hopper forward fed by the
     copy engine (flashsim.kernels.cap_only), else "online"."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
     var = softcap is not None or alibi_slopes is not None
