@@ -38,10 +38,10 @@ def record(call):
     those through the loader, and the copy-engine kernels' launchers with their arguments
     (flash2_fwd_ws and flash2_bwd_ws launch through their own parameter arrays, and
     re-encode their tensor maps per call from a cache)."""
-    dev = fs.gpu._device
-    tma, wsf = fs.gpu.flash2._TmaLaunch, fs.gpu.flash2._WsForward
+    dev, f2 = fs.gpu._device, fs.gpu.flash2
+    tma, wsf = f2._TmaLaunch, f2._WsForward
     launches = []
-    real, real_tma, real_wsf = dev.launch, tma.__call__, wsf.__call__
+    real, real_tma, real_wsf, real_key = dev.launch, tma.__call__, wsf.__call__, f2._plan_key
 
     def spy(cp, kernel, grid, smem, args, threads=dev.THREADS):
         launches.append(("cupy", (kernel, grid, threads, args, smem)))
@@ -55,11 +55,16 @@ def record(call):
     def spy_wsf(self, *args, **kw):     # with its tile counter, zeroed again per replay
         launches.append(("ws", (real_wsf, self, args, kw)))
         return real_wsf(self, *args, **kw)
+    # PyTorch's plain launches take the general path here: the fast path's launchers pass
+    # raw pointers to buffers freed after the call, which a replay would write into
     dev.launch, tma.__call__, wsf.__call__ = spy, spy_tma, spy_wsf
+    f2._plan_key = lambda *a, **kw: None
     try:
-        call()
+        result = call()
     finally:
-        dev.launch, tma.__call__, wsf.__call__ = real, real_tma, real_wsf
+        dev.launch, tma.__call__, wsf.__call__, f2._plan_key = real, real_tma, real_wsf, real_key
+    if not launches:
+        raise RuntimeError("record: the call launched nothing that can be replayed")
     for how, launch in launches:
         if how == "cupy" and launch[4] > 48 * 1024:
             launch[0].max_dynamic_shared_size_bytes = launch[4]
@@ -72,6 +77,7 @@ def record(call):
             else:
                 kernel, grid, threads, args, smem = launch
                 kernel(tuple(grid), (threads,), args, shared_mem=smem)
+    replay.result = result          # the outputs the launches write, kept alive
     replay.ws = any(how == "ws" for how, _ in launches)
     replay.launches = len(launches)
     return replay

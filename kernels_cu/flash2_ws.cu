@@ -396,6 +396,12 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                                              r0 - cw * W0, tig, nq, nk, band, sl2, k_in, k_out,
                                              VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
+        // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
+        // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
+        auto scores = [&](int j) {
+            wg_scores<Bc, BrM, VAR>(s, j * Bc, i0 + cw * W0, r0 - cw * W0, tig, nq, nk, band, k_in,
+                                    k_out, VAR && slopes != nullptr ? slopes[p] : 0.f);
+        };
 
         // Step n (tile j = jlo + n, the CTA's fill nb + n of the K/V slots: slot
         // (nb + n) % STAGES, whose parity the waits name): S_j and P_{j−1} V_{j−1} issued
@@ -454,9 +460,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             wgmma_wait<1>();                         // S_j is done, P_{j−1} V_{j−1} may run on
             fence_regs<Bc / 2>(s);
             release(emptyK(sn));
-            if constexpr (LAZY) {                    // P_j goes straight to pf: the product
-                wgmma_wait<0>();                     // must have read P_{j−1} (ptxas puts this
-                fence_regs<D / 2>(o);                // wait here in either order: NOTES v43)
+            if constexpr (LAZY) {
+                scores(j);                           // beside P_{j−1} V_{j−1} (NOTES v62)
+                wgmma_wait<0>();                     // P_j goes straight to pf: the product
+                fence_regs<D / 2>(o);                // must have read P_{j−1} (NOTES v43)
                 release(emptyV(sp));
 #pragma unroll
                 for (int kk = 0; kk < Bc / 16; ++kk)

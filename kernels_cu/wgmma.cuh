@@ -315,8 +315,9 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
 // wg_softmax with a lazy running max (flash2_fwd_ws's softcap instance in float16, whose
 // range holds no fixed max; not a tile's first step, which takes wg_softmax): P =
 // 2^(S·sl2 − m) with the m of the steps before, so that the exponentials wait for no row
-// max, packed to T into pf as they come (the caller has waited for the product that reads
-// pf), and each thread's shares of the rows' Σ P summed. A share (Bc/4 keys) bounds each of
+// max, packed to T into pf as they come (the caller has finished the scores, tanh and mask,
+// with wg_scores before it waited for the product that reads pf, so that the softcap's
+// MUFU work runs beside that product: NOTES v62), and each thread's shares of the rows' Σ P summed. A share (Bc/4 keys) bounds each of
 // its P, as every P ≥ 0: where no thread of the warp holds a share above 2^12, every P ≤
 // 2^12 (float16's range ends at 2^16), α = 1, and the step is done with no row max (NOTES
 // v59). Otherwise, or where a row of the warp has seen no key yet (m = −∞: its P were
@@ -330,7 +331,6 @@ __device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], flo
                                                 int i0, int r0, int tig, int nq, int nk,
                                                 const Band& band, float sl2, float k_in,
                                                 float k_out, float slope) {
-    wg_scores<Bc, Br, VAR>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
     const float ms0 = m0 == neg_inf<float>() ? 0.f : m0;
     const float ms1 = m1 == neg_inf<float>() ? 0.f : m1;
     float st0 = 0.f, st1 = 0.f;                            // this thread's shares of Σ P
