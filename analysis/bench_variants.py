@@ -3,6 +3,7 @@ attention, forward (on a 9.0 device the Hopper rung, "ws" where the copy-engine 
 takes the inputs and the cp.async kernel beside it, and tc) and backward (wg on 9.0, and tc), on one GPU.
 
     python3 analysis/bench_variants.py [--ns 4096] [--ds 64,128] [--dtypes float16] [--reps 30]
+                                       [--rungs wg,tc]
 
 Each case's kernels are recorded from one `fs.gpu.attention` / `attention_backward`
 call (the launches it makes, with their grids and arguments) and replayed, so the
@@ -97,12 +98,20 @@ def main(argv=None):
     ap.add_argument("--ds", default="64,128")
     ap.add_argument("--dtypes", default="float16", help="float16 and/or bfloat16")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rungs", default="wg,tc", help="wg (the Hopper rung, ws beside it) "
+                    "and/or tc")
     a = ap.parse_args(argv)
+    rungs = a.rungs.split(",")
+    if not rungs or not set(rungs) <= {"wg", "tc"}:
+        ap.error(f"--rungs: wg and/or tc, not {a.rungs}")
     import cupy as cp
     rng = np.random.default_rng(0)
     dev = cp.cuda.Device()
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    wg = dev.compute_capability == "90"
+    wg = dev.compute_capability == "90" and "wg" in rungs
+    tc = ["tc"] if "tc" in rungs else []
+    if not wg and not tc:
+        ap.error(f"--rungs {a.rungs}: nothing to time on {name} (wg needs compute capability 9.0)")
     dtypes = a.dtypes.split(",")
     if not set(dtypes) <= {"float16", "bfloat16"}:
         ap.error(f"--dtypes: float16 and/or bfloat16, not {a.dtypes}")
@@ -131,7 +140,7 @@ def main(argv=None):
         fns, flop = {}, {}
         for case, kw in cases.items():
             npairs = pairs(N, N, kw.get("causal", False), kw.get("window"))
-            for kern in (["wg"] if wg else []) + ["tc"]:
+            for kern in (["wg"] if wg else []) + tc:
                 # the Hopper forward as "auto" runs it (ws where the copy engine takes
                 # the case: d = 64 and 128, softcap/ALiBi at 64 in 64-key tiles) and,
                 # beside ws, the cp.async kernel (FLASHSIM_TMA=0)
@@ -143,8 +152,8 @@ def main(argv=None):
                         fns[(case, what)] = (replay, None)
                         flop[(case, what)] = 4 * B * H * npairs * d
                 os.environ.pop("FLASHSIM_TMA", None)
-            out, lse = fs.gpu.attention(q, k, v, kernel="tc", **kw)
-            for kern in (["wg"] if wg and d in fs.kernels.WG_BWD_HEAD_DIMS else []) + ["tc"]:
+            out, lse = fs.gpu.attention(q, k, v, **kw)
+            for kern in (["wg"] if wg and d in fs.kernels.WG_BWD_HEAD_DIMS else []) + tc:
                 replay = record(lambda: fs.gpu.attention_backward(
                     q, k, v, out, lse, do, kernel=kern, **kw))
                 what = "bwd ws" if replay.ws else f"bwd {kern}"   # ws: d = 128 on "wg"
@@ -155,8 +164,14 @@ def main(argv=None):
             ms = float(np.median(t))
             rows.append(dict(dtype=dtype, d=d, N=N, case=case, kernel=what, ms=ms,
                              tflops=flop[(case, what)] / ms / 1e9))
+        # the tables so far, after each shape: a run cut short keeps what it timed
+        write(rows, name, dtypes)
         print(f"{dtype} d={d} N={N} done", file=sys.stderr, flush=True)
+    print(write(rows, name, dtypes))
 
+
+def write(rows, name, dtypes):
+    """variants.md and .json from ``rows``; returns the table."""
     def key(r):
         return r["dtype"], r["d"], r["N"], r["kernel"]
     base = {key(r): r["ms"] for r in rows if r["case"] == "plain"}
@@ -172,7 +187,7 @@ def main(argv=None):
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "variants.md").write_text("\n".join(lines) + "\n")
     (OUT / "variants.json").write_text(json.dumps(dict(device=name, rows=rows), indent=1))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
