@@ -133,6 +133,11 @@ template <int D> struct DqBlock {
 // the products have read Q_i and dO_i (and L_i, D_i). EARLY: wait for dPᵀ with Sᵀ and form
 // dSᵀ beside Pᵀ (the same operations on the same values), so that neither Pᵀ in fp32 nor
 // the softcap's 1 − tanh² is held across dV_j's issue (step_mid below says when).
+// 1: the VAR step's mask in a loop of its own behind one branch, as the plain step's
+// (branch var-mask-apart, NOTES v63); 0: tested per score inside the exponentials' loop
+#ifndef FLASHSIM_BWD_VAR_MASK_APART
+#define FLASHSIM_BWD_VAR_MASK_APART 1
+#endif
 template <typename T, int D, bool VAR, int WG0, int BAR, bool EARLY, typename Slope, typename Read>
 __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
                                          const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
@@ -159,12 +164,19 @@ __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c
     const bool partial = c.cols < Bc
         || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
         || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+    // (at D = 64 the flash2_bwd_ws step, 128 queries in the early order, spilled with it)
+    constexpr bool APART = FLASHSIM_BWD_VAR_MASK_APART && D == 128;
     VarScores vs{};
     float dist0 = 0.f;
     if constexpr (VAR) {
         vs = VarScores{k_in, k_out, slope()};
         dist0 = (float)(i0 + tig * 2 + (c.nk - c.nq) - j0 - kr);   // q + off − key, per step
     }
+    // Pᵀ (and EARLY's dSᵀ) in a loop with no test, the mask in a loop of its own behind
+    // one branch: tested per t, each step without one took BrB/8 branches, and their
+    // targets' instruction fetches stalled the warps (Nsight Compute at D = 64: "no
+    // instruction" a sixth of the stall samples; v42, and v63 for VAR). A masked score's
+    // dSᵀ is then +0 where Pᵀ·(dPᵀ − D) gave ±0: the same sums.
     if constexpr (VAR) {
 #pragma unroll
         for (int t = 0; t < BrB / 8; ++t) {
@@ -174,7 +186,7 @@ __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c
                 const float l = (e & 1) ? l2.y : l2.x;
                 float tanh_s = 0.f;
                 s[4 * t + e] = ex2(fmaf(vs(s[4 * t + e], dist0 + (float)(t * 8 + (e & 1) - (e < 2 ? 0 : 8)), &tanh_s), vs.scale(), -l));
-                if (partial) {
+                if (!APART && partial) {
                     const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
                     if (key >= c.nk || !band.sees(q, key)) s[4 * t + e] = 0.f;
                 }
@@ -185,10 +197,6 @@ __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c
             }
         }
     } else {
-        // the mask in a loop of its own behind one branch: tested per t, each step without
-        // one took BrB/8 branches, and their targets' instruction fetches stalled the warps
-        // (Nsight Compute at D = 64: "no instruction" a sixth of the stall samples). A masked
-        // score's dSᵀ is then +0 where Pᵀ·(dPᵀ − D) gave ±0: the same sums.
 #pragma unroll
         for (int t = 0; t < BrB / 8; ++t) {
             const float2 l2 = *reinterpret_cast<const float2*>(sLb + t * 8 + tig * 2);
@@ -201,18 +209,18 @@ __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c
                 }
             }
         }
-        if (partial) {
+    }
+    if ((!VAR || APART) && partial) {
 #pragma unroll
-            for (int t = 0; t < BrB / 8; ++t)
+        for (int t = 0; t < BrB / 8; ++t)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
-                    if (key >= c.nk || !band.sees(q, key)) {
-                        s[4 * t + e] = 0.f;
-                        if constexpr (EARLY) dp[4 * t + e] = 0.f;
-                    }
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + kr + (e < 2 ? 0 : 8), q = i0 + t * 8 + tig * 2 + (e & 1);
+                if (key >= c.nk || !band.sees(q, key)) {
+                    s[4 * t + e] = 0.f;
+                    if constexpr (EARLY) dp[4 * t + e] = 0.f;
                 }
-        }
+            }
     }
     unsigned pf[BrB / 16][4], dsf[BrB / 16][4];      // Pᵀ, dSᵀ in T: A operands, k-step of 16 queries
 #pragma unroll
