@@ -133,11 +133,6 @@ template <int D> struct DqBlock {
 // the products have read Q_i and dO_i (and L_i, D_i). EARLY: wait for dPᵀ with Sᵀ and form
 // dSᵀ beside Pᵀ (the same operations on the same values), so that neither Pᵀ in fp32 nor
 // the softcap's 1 − tanh² is held across dV_j's issue (step_mid below says when).
-// 1: the VAR step's mask in a loop of its own behind one branch, as the plain step's
-// (branch var-mask-apart, NOTES v63); 0: tested per score inside the exponentials' loop
-#ifndef FLASHSIM_BWD_VAR_MASK_APART
-#define FLASHSIM_BWD_VAR_MASK_APART 1
-#endif
 template <typename T, int D, bool VAR, int WG0, int BAR, bool EARLY, typename Slope, typename Read>
 __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c, int i, unsigned qb, unsigned dob, unsigned sdS,
                                          const float* sLb, const float* sDb, float* dv_acc, float* dk_acc,
@@ -164,8 +159,10 @@ __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c
     const bool partial = c.cols < Bc
         || (band.left >= 0 && j0 - (i0 + BrB - 1) - band.off < -band.left)
         || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
-    // (at D = 64 the flash2_bwd_ws step, 128 queries in the early order, spilled with it)
-    constexpr bool APART = FLASHSIM_BWD_VAR_MASK_APART && D == 128;
+    // the mask apart from the exponentials' loop (below) in VAR too at D = 128 (NOTES v63):
+    // at D = 64 flash2_bwd_ws's step (128 queries in the early order) spilled with it; the
+    // wg rung's D = 32 built at 255 registers, not yet run
+    constexpr bool APART = !VAR || D == 128;
     VarScores vs{};
     float dist0 = 0.f;
     if constexpr (VAR) {
@@ -210,7 +207,7 @@ __device__ __forceinline__ void step_mid_in(const Thread<WG0>& th, const Tile& c
             }
         }
     }
-    if ((!VAR || APART) && partial) {
+    if (APART && partial) {
 #pragma unroll
         for (int t = 0; t < BrB / 8; ++t)
 #pragma unroll
