@@ -320,9 +320,9 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
 // the product that reads pf, so that the softcap's MUFU work runs beside that product:
 // NOTES v62). A share (Bc/4 keys) bounds each of its P, as every P ≥ 0: where no thread of
 // the warp holds a share above 2^12, every P ≤ 2^12 (float16's range ends at 2^16), α = 1,
-// and the step is done with no row max (NOTES v59). Otherwise, or where a row of the warp has seen no key yet (m = −∞: its P were
-// taken against 0), the warp reduces its rows' max from their scores, still in s, and each
-// row whose max passed m takes the online step: m moves to the row max, α = 2^(m_old − m),
+// and the step is done with no row max (NOTES v59). Otherwise, or where a row of the warp
+// has seen no key yet (m = −∞: its P were taken against 0), the warp reduces its rows' max
+// from their scores, still in s, and each row whose max passed m takes the online step: m moves to the row max, α = 2^(m_old − m),
 // P and ℓ = ℓ_old·α + Σ P again. m only moves up, to a row max, and L = m + log2 ℓ holds
 // for any m.
 template <typename T, int Bc, int Br, bool VAR>
