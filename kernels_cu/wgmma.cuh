@@ -322,9 +322,9 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
 // the warp holds a share above 2^12, every P ≤ 2^12 (float16's range ends at 2^16), α = 1,
 // and the step is done with no row max (NOTES v59). Otherwise, or where a row of the warp
 // has seen no key yet (m = −∞: its P were taken against 0), the warp reduces its rows' max
-// from their scores, still in s, and each row whose max passed m takes the online step: m moves to the row max, α = 2^(m_old − m),
-// P and ℓ = ℓ_old·α + Σ P again. m only moves up, to a row max, and L = m + log2 ℓ holds
-// for any m.
+// from their scores, still in s, and each row whose max passed m takes the online step:
+// m moves to the row max, α = 2^(m_old − m), P and ℓ = ℓ_old·α + Σ P again. m only moves
+// up, to a row max, and L = m + log2 ℓ holds for any m.
 template <typename T, int Bc, int Br, bool VAR>
 __device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], float& m0, float& m1,
                                                 float& l0, float& l1, float& a0, float& a1, int j0,
