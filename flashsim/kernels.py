@@ -295,8 +295,8 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
     (``variant``) only where its keys a tile are flash2_fwd_wg's, whose softcap/ALiBi
     instance a packed varlen batch's shares, so that a batch and each of its sequences run
     the same arithmetic (bit for bit: a row's depends on the key tiles, not on how many
-    rows a tile holds; except a softcap without ALiBi, which flash2_fwd_ws runs under a
-    fixed or lazy softmax max, cap_only). The backward's tiles and steps are
+    rows a tile holds; except the softcaps that flash2_fwd_ws runs under a fixed or lazy
+    softmax max, cap_only). The backward's tiles and steps are
     flash2_bwd_wg's."""
     # below D the tensor maps are d (dv) columns wide, and the copy engine zero-fills the
     # boxes' columns past them (flashsim/gpu/_tma.py)
@@ -306,27 +306,32 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
             and (not variant or ws_blocks(D, True)[1] == WG_BLOCKS[D][1]))
 
 
-# flash2_fwd_ws's third instance (``variant`` = CAP_ONLY): a softcap without ALiBi, whose
-# logits all lie in [−C, C] in log2 units, C = softcap·log2(e) (NOTES v56, v57).
-# - bfloat16: a fixed softmax max, m = min(C, 125 − C) (wgmma.cuh's cap_fixed_m). Each
-#   P = 2^(x − m) lies in [2^−125, 2^max(0, 2C − 125)], normal in float and bfloat16, and
-#   no step needs a row max, α or a rescale of O. CAP_HEADROOM bounds P at 2^32: ℓ and O
-#   stay finite unless |V| ≥ 2^(96 − log2 Nk).
-# - float16, whose 2^−24 … 2^16 holds no such interval: a lazy running max (wgmma.cuh's
-#   wg_softmax_lazy). A step's exponentials take the m of the steps before; only a warp
-#   where some P may pass 2^12 reduces its rows' max and takes the online step again.
+# flash2_fwd_ws's third instance (``variant`` = CAP_ONLY): a softcap, whose logits all lie
+# in [−C, C] in log2 units, C = softcap·log2(e) (NOTES v56, v57, v66).
+# - bfloat16, with ALiBi or without: a fixed softmax max, m = min(C, 125 − C) (wgmma.cuh's
+#   cap_fixed_m). Each P = 2^(x − m) lies in [2^−125, 2^max(0, 2C − 125)], normal in float
+#   and bfloat16, and no step needs a row max, α or a rescale of O. CAP_HEADROOM bounds P
+#   at 2^32: ℓ and O stay finite unless |V| ≥ 2^(96 − log2 Nk). ALiBi shifts a row's
+#   logits by its bias, at most B over the row's visible keys: m + B per row keeps the same
+#   bounds (fixed_m_alibi; running_max.fixed_max_rows).
+# - float16, whose 2^−24 … 2^16 holds no such interval, without ALiBi: a lazy running max
+#   (wgmma.cuh's wg_softmax_lazy). A step's exponentials take the m of the steps before;
+#   only a warp where some P may pass 2^12 reduces its rows' max and takes the online step
+#   again. (ALiBi's bias, rising towards the diagonal, would move that max at most steps:
+#   float16 with slopes keeps the online VAR instance, NOTES v65.)
 CAP_ONLY = 2
 CAP_HEADROOM = 32
 
 
 def cap_only(dtype: str, softcap, alibi_slopes) -> bool:
-    """flash2_fwd_ws runs this forward in its softcap instance (CAP_ONLY): a softcap without
-    ALiBi (whose bias is unbounded below), in float16, or in bfloat16 with
-    2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4)."""
-    if softcap is None or alibi_slopes is not None:
+    """flash2_fwd_ws runs this forward in its softcap instance (CAP_ONLY): a softcap in
+    bfloat16 with 2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4), with ALiBi or
+    without, and a softcap without ALiBi in float16."""
+    if softcap is None:
         return False
-    return dtype == "float16" or (dtype == "bfloat16" and
-                                  2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM)
+    if dtype == "bfloat16":
+        return 2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM
+    return dtype == "float16" and alibi_slopes is None
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,

@@ -6,12 +6,15 @@ rounds once it is fed to the second product in the I/O type.
 
 - ``"online"`` (the papers'): m is the running row max, so every P ≤ 1, the largest is
   exactly 1, and each step reduces its rows' max, rescales ℓ and O by α = exp(m_old − m).
-- ``"fixed"``: with a softcap c and no ALiBi every logit lies in (−c, c), so one m for
-  the whole row keeps P in a known interval: m = min(c, 125·ln 2 − c), the kernels'
+- ``"fixed"``: with a softcap c every logit lies in (−c, c), so one m for the whole
+  row keeps P in a known interval: m = min(c, 125·ln 2 − c), the kernels'
   ``cap_fixed_m`` (log2 units there), gives P ∈ [2^−125, 2^max(0, 2C − 125)],
-  C = c·log2 e, normal in float32 and bfloat16. No row max, no α, no rescale. The
-  Hopper forward's softcap instance runs it in bfloat16 (`flashsim.kernels.cap_only`);
-  as there, 2C − 125 may be at most `flashsim.kernels.CAP_HEADROOM`.
+  C = c·log2 e, normal in float32 and bfloat16. No row max, no α, no rescale. With
+  ALiBi a row's logits are shifted by its bias −slope·|dist|, whose largest value B
+  over the row's visible keys moves both ends of the interval: m + B per row keeps it
+  (`fixed_max_rows`, the kernels' ``fixed_m_alibi``). The Hopper forward's softcap
+  instance runs it in bfloat16 (`flashsim.kernels.cap_only`); as there, 2C − 125 may
+  be at most `flashsim.kernels.CAP_HEADROOM`.
 - ``"lazy"``: a step takes P = exp(S − m) with the m of the steps before, and moves m
   only where P might leave the I/O type's range. The rule is the Hopper forward's
   float16 softcap instance's (wgmma.cuh's ``wg_softmax_lazy``), modelled at its
@@ -53,10 +56,10 @@ def check_scores(rule: str, softcap, slopes) -> None:
     """The fixed rule's needs, on checked variants (`flashsim.variants.Scores`)."""
     if rule != "fixed":
         return
-    if softcap is None or slopes is not None:
-        raise ValueError("softmax_max='fixed' needs every logit bounded: a softcap and no "
-                         "alibi_slopes (whose bias is unbounded below); use 'online' or 'lazy'")
-    if not cap_only("bfloat16", softcap, None):             # the kernels' own bound
+    if softcap is None:
+        raise ValueError("softmax_max='fixed' needs every logit bounded by a softcap; "
+                         "use 'online' or 'lazy'")
+    if not cap_only("bfloat16", softcap, slopes):           # the kernels' own bound
         limit = (125 + CAP_HEADROOM) / (2 * math.log2(math.e))
         raise ValueError(f"softmax_max='fixed' keeps P ≤ 2^{CAP_HEADROOM} only for "
                          f"softcap ≤ {limit:.1f}, got {softcap}; use 'online' or 'lazy'")
@@ -65,6 +68,25 @@ def check_scores(rule: str, softcap, slopes) -> None:
 def fixed_max(softcap: float) -> float:
     """The fixed rule's m, natural-log units: min(c, 125·ln 2 − c)."""
     return min(float(softcap), 125 * math.log(2) - float(softcap))
+
+
+def fixed_max_rows(softcap: float, slopes, band, rows: np.ndarray, off: int, Nk: int):
+    """The fixed rule's m of query rows ``rows`` (natural-log units): `fixed_max` plus,
+    with ALiBi (``slopes`` (…, hk, g)), the largest bias −slope·|r + off − c| over the
+    row's visible keys c (``band``, 0 ≤ c < Nk): at the key nearest the row's diagonal
+    r + off for slope ≥ 0, the farthest for slope < 0; a row that sees no key keeps
+    `fixed_max`. Shape (…, hk, g, len(rows)), or a scalar without slopes."""
+    m = fixed_max(softcap)
+    if slopes is None:
+        return np.float64(m)
+    dq = np.asarray(rows) + off                                # each row's diagonal key
+    klo = np.zeros_like(dq) if band.left is None else np.maximum(0, dq - band.left)
+    khi = np.full_like(dq, Nk - 1) if band.right is None else np.minimum(Nk - 1, dq + band.right)
+    near = np.where(dq < klo, klo - dq, np.where(dq > khi, dq - khi, 0))
+    far = np.maximum(np.abs(dq - klo), np.abs(dq - khi))
+    s = np.asarray(slopes, dtype=np.float64)[..., None]
+    B = -s * np.where(s >= 0, near, far)
+    return np.where(klo <= khi, m + B, m)
 
 
 def _safe(m):
@@ -95,4 +117,4 @@ def lazy_step(S, m, unseen_past=None):
     return P, alpha, m_new
 
 
-__all__ = ["RULES", "check_rule", "check_scores", "fixed_max", "lazy_step"]
+__all__ = ["RULES", "check_rule", "check_scores", "fixed_max", "fixed_max_rows", "lazy_step"]

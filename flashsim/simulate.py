@@ -298,8 +298,11 @@ def kv_sweep(mc: Machine, Qi, K, V, shape: Shape, tiles: Tiles, scores: Scores, 
     rows = Qi.shape[-2]
     Oi = np.zeros(np.broadcast_shapes(Qi.shape[:-2], V.shape[:-2]) + (rows, shape.dv),
                   dtype=prec.acc)
-    m0 = running_max.fixed_max(scores.softcap) if softmax_max == "fixed" else NEG_INF
-    mi = np.full(Oi.shape[:-1], m0, dtype=prec.acc)
+    mi = np.full(Oi.shape[:-1], NEG_INF, dtype=prec.acc)
+    if softmax_max == "fixed":                  # per row with ALiBi (fixed_max_rows)
+        mi[...] = running_max.fixed_max_rows(scores.softcap, scores.slopes, tiles.band,
+                                             np.arange(i * tiles.Br, i * tiles.Br + rows),
+                                             tiles.off, shape.Nk)
     li = np.zeros(Oi.shape[:-1], dtype=prec.acc)
     lazy = softmax_max == "lazy"
     if lazy:      # its vote counts the kernel's rows past Nq in the last tile's last warp

@@ -313,8 +313,9 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const int cw = __shfl_sync(0xffffffffu, grp, 0) - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
-    // a softcap without ALiBi (CAP_ONLY, where kernels.cap_only says): under a fixed max
-    // in bfloat16 (wgmma.cuh's cap_fixed_m), a lazy running max in float16 (wg_softmax_lazy)
+    // a softcap (CAP_ONLY, where kernels.cap_only says): under a fixed max in bfloat16, with
+    // ALiBi or not (wgmma.cuh's cap_fixed_m, fixed_m_alibi), a lazy running max in float16
+    // without ALiBi (wg_softmax_lazy)
     constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
     constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
@@ -359,6 +360,11 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         }
         const unsigned sQ = sQ0 + (kq & 1) * TILE_Q;
         float m0 = FIXED ? cap_fixed_m(k_out) : neg_inf<float>(), m1 = m0;   // running max (log2), rows g, g + 8
+        if (FIXED && slopes != nullptr) {           // with ALiBi: m per row (fixed_m_alibi)
+            const float bias = k_out * slopes[p];   // (slopes hold slope / softcap)
+            m0 = fixed_m_alibi(m0, bias, i0 + r0, nk, band);
+            m1 = fixed_m_alibi(m1, bias, i0 + r0 + 8, nk, band);
+        }
         float l0 = 0.f, l1 = 0.f;                    // partial row sums of this thread
 #pragma unroll
         for (int x = 0; x < D / 2; ++x) o[x] = 0.f;

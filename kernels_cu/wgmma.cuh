@@ -237,6 +237,23 @@ FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 // softcap takes wg_softmax_lazy below, NOTES v57, v59).
 __device__ __forceinline__ float cap_fixed_m(float k_out) { return fminf(k_out, 125.f - k_out); }
 
+// The fixed max of query row r under a softcap with ALiBi (NOTES v66): its logits (log2
+// units) are C·tanh(·) − bias·|r + off − key| over its visible keys, so they lie in
+// [−C + B, C + B], B the largest of −bias·|dist| there (at the nearest key for bias ≥ 0,
+// the farthest below 0): the softcap alone's bounds shifted by B, which m + B keeps, as
+// both of cap_fixed_m's guarantees do. A row with no visible key keeps m (its ℓ stays 0).
+// ``bias``: the slope in log2 units, slope·log2(e).
+__device__ __forceinline__ float fixed_m_alibi(float m, float bias, int r, int nk,
+                                               const Band& band) {
+    const int dq = r + band.off;                         // the row's diagonal key (ALiBi's 0)
+    const int klo = band.left < 0 ? 0 : max(0, dq - band.left);
+    const int khi = band.right < 0 ? nk - 1 : min(nk - 1, dq + band.right);
+    if (klo > khi) return m;
+    const int dnear = dq < klo ? klo - dq : (dq > khi ? dq - khi : 0);
+    const int dfar = max(abs(dq - klo), abs(dq - khi));
+    return m - bias * (float)(bias >= 0.f ? dnear : dfar);
+}
+
 // The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
 // ragged keys and the band's edge masked to −∞ where the tile needs it
 template <int Bc, int Br, bool VAR>

@@ -693,11 +693,13 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 @pytest.mark.parametrize("d", (64, 96, 128))
 def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
-    """A softcap without ALiBi runs flash2_fwd_ws's softcap instance (kernels.CAP_ONLY):
-    in bfloat16 under a fixed max (no running max, α or rescale), in float16 under a lazy
-    one (a warp takes the online step only where some P may pass 2^12, or a row sees its
-    first key after the tile's first step). ALiBi, and in bfloat16 a
-    softcap past 54.4, run the online VAR instance. Against the simulator: the traffic
+    """A softcap runs flash2_fwd_ws's softcap instance (kernels.CAP_ONLY): in bfloat16
+    under a fixed max (no running max, α or rescale; with ALiBi, m per row: the largest
+    bias the row sees added), in float16 without ALiBi under a lazy one (a warp takes the
+    online step only where some P may pass 2^12, or a row sees its first key after the
+    tile's first step). ALiBi in float16, and in bfloat16 a softcap past 54.4, run the
+    online VAR instance. bfloat16's ALiBi: steep, flat, negative and per-batch slopes,
+    with causal, a window and Nq ≠ Nk (rows whose diagonal key is outside the keys). Against the simulator: the traffic
     exactly, O and L to the kernel-precision twin's tolerance, rows that see no key 0 and
     −∞; logits held at ±c by outliers, keys whose logits grow along the row (the lazy max
     moves at many steps), Nq ≠ Nk (rows past the keys under the bottom-right causal mask
@@ -719,13 +721,20 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
     ramp = rnd(k * np.linspace(0.2, 6, 200)[:, None])    # later keys, larger logits
     cases = [(50.0, k, dict()), (54.0, k, dict(causal=True)), (0.5, k, dict(window=(70, 3))),
              (30.0, k, dict(window=(0, 0))), (50.0, ramp, dict()), (30.0, ramp, dict(causal=True))]
+    if dtype == "bfloat16":
+        steep, flat = rng.uniform(0.2, 1.0, 4), rng.uniform(0, 1e-3, 4)
+        cases += [(30.0, k, dict(alibi_slopes=steep)), (50.0, ramp, dict(alibi_slopes=flat)),
+                  (30.0, k, dict(alibi_slopes=-flat * 50, causal=True)),
+                  (5.0, k, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)), window=(70, 3))),
+                  (54.0, ramp, dict(alibi_slopes=steep, causal=True))]
     for c, kk, kw in cases:
         variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
         seen.clear()
         check_variants_forward(q, kk, v, dtype, None, variants)
         assert seen[-1] == ("flash2_fwd_ws", dtype, fs.kernels.CAP_ONLY), (c, kw)
     # the online instance where the softcap instance does not apply
-    for c, slopes in ((30.0, rng.uniform(0, 0.5, 4)),) + (((60.0, None),) if dtype == "bfloat16" else ()):
+    sl = rng.uniform(0, 0.5, 4)
+    for c, slopes in (((60.0, None), (60.0, sl)) if dtype == "bfloat16" else ((30.0, sl),)):
         variants = dict(causal=False, window=None, softcap=c, alibi_slopes=slopes)
         seen.clear()
         check_variants_forward(q, k, v, dtype, None, variants)
@@ -1528,7 +1537,11 @@ def check_varlen(q, k, v, cu_q, cu_k, dtype, blocks, variants, deterministic=Tru
             slopes = np.zeros(q.shape[1])
         var = dict(variants, alibi_slopes=slopes)
         qb, kb, vb = (dev(heads(x[s]), dtype) for x, s in ((q, sq), (k, sk), (v, sk)))
-        ob, Lb = fs.gpu.attention(qb, kb, vb, block_sizes=blocks, kernel=kernel, **var)
+        with pytest.MonkeyPatch.context() as mp:
+            # the varlen instance's online max, not the fixed one a dense bfloat16 softcap
+            # takes on the copy-engine forward (kernels.cap_only)
+            mp.setattr(fs.kernels, "cap_only", lambda *a: False)
+            ob, Lb = fs.gpu.attention(qb, kb, vb, block_sizes=blocks, kernel=kernel, **var)
         np.testing.assert_array_equal(heads(o[sq]), host(ob))
         np.testing.assert_array_equal(L[:, sq], host(Lb))
         gb = fs.gpu.attention_backward(qb, kb, vb, ob, Lb, dev(heads(dout[sq]), dtype),

@@ -246,16 +246,18 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
 
 
 def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
-    """kernels.cap_only: a softcap without ALiBi runs flash2_fwd_ws's CAP_ONLY instance, in
-    float16 at any softcap (a lazy max) and in bfloat16 where its fixed max leaves every P
-    ≤ 2^CAP_HEADROOM (softcap ≤ 54.4); ALiBi, no softcap, or other dtypes do not."""
+    """kernels.cap_only: a softcap runs flash2_fwd_ws's CAP_ONLY instance, in float16 at
+    any softcap without ALiBi (a lazy max) and in bfloat16, with ALiBi or without, where
+    its fixed max leaves every P ≤ 2^CAP_HEADROOM (softcap ≤ 54.4); ALiBi in float16, no
+    softcap, or other dtypes do not."""
     cap_only = kernels.cap_only
     assert cap_only("bfloat16", 30.0, None) and cap_only("bfloat16", 54.4, None)
     assert not cap_only("bfloat16", 54.5, None)
     assert cap_only("float16", 0.5, None) and cap_only("float16", 1e4, None)
     for dtype in ("float16", "bfloat16"):
-        assert not cap_only(dtype, None, None)
-        assert not cap_only(dtype, 30.0, [0.1, 0.2])
+        assert not cap_only(dtype, None, None) and not cap_only(dtype, None, [0.1, 0.2])
+    assert not cap_only("float16", 30.0, [0.1, 0.2])
+    assert cap_only("bfloat16", 30.0, [0.1, -0.2]) and not cap_only("bfloat16", 54.5, [0.1])
     assert not cap_only("float32", 30.0, None)
     # the bound: 2C − 125 ≤ CAP_HEADROOM at c = 54.4, C = c·log2 e
     import math

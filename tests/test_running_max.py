@@ -61,6 +61,66 @@ def test_the_kernel_precision_shows_each_rules_roundings(kw):
             np.testing.assert_allclose(x.lse[fin], exact.lse[fin], rtol=0, atol=1e-5)
 
 
+SLOPES = [np.array([0.5, 0.02]), np.array([1e-4, 0.0]), np.array([-0.05, 0.3]),
+          np.array([[0.1, 0.7], [-0.2, 0.01]])]       # steep, flat, negative, per batch entry
+
+
+@pytest.mark.parametrize("kw", VARIANTS + [dict(window=(-1, 5)), dict(window=(400, 400))])
+@pytest.mark.parametrize("slopes", SLOPES, ids=["steep", "flat", "negative", "per-batch"])
+@pytest.mark.parametrize("Nq, Nk", [(333, 200), (200, 333)])
+def test_the_fixed_rule_with_alibi_is_the_same_attention_and_traffic(kw, slopes, Nq, Nk):
+    """With ALiBi the fixed rule takes m per row (fixed_max_rows): in float64 the online
+    rule's O and L and the same bytes, for steep, flat, negative and per-batch slopes,
+    Nq ≠ Nk both ways (rows without their diagonal key), causal, windows, rows that see
+    no key."""
+    q, k, v = _inputs(5, Nq=Nq, Nk=Nk)
+    common = dict(block_sizes=(64, 32), softcap=30.0, alibi_slopes=slopes,
+                  io_dtype="bfloat16", **kw)
+    online = fs.simulate(q, k, v, **common)
+    fixed = fs.simulate(q, k, v, softmax_max="fixed", **common)
+    assert fixed.traffic == online.traffic
+    fin = np.isfinite(online.lse)
+    assert np.array_equal(np.isfinite(fixed.lse), fin)
+    assert (fixed.out[~fin] == 0).all()
+    np.testing.assert_allclose(fixed.out, online.out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(fixed.lse[fin], online.lse[fin], rtol=1e-14, atol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(-1, 12), st.integers(-1, 12),
+       st.booleans(), st.floats(-2, 2, allow_subnormal=False), st.floats(0.5, 54))
+def test_the_fixed_max_of_a_row_is_the_softcaps_plus_its_largest_visible_bias(
+        Nq, Nk, left, right, causal, slope, c):
+    """fixed_max_rows against every key: m(r) − fixed_max(c) is the largest ALiBi bias
+    −slope·|r + off − key| over the keys row r sees (fixed_max(c) where it sees none), so
+    every logit c·tanh(·) + bias lies in [m(r) − 2c, m(r)] shifted as the softcap alone's
+    [−c, c] is by fixed_max: P = exp(S − m) keeps the unshifted rule's bounds."""
+    from flashsim.variants import make_band
+    band = make_band(causal, (left, right))
+    rows, keys, off = np.arange(Nq), np.arange(Nk), Nk - Nq
+    m = running_max.fixed_max_rows(c, np.array([slope]), band, rows, off, Nk)[0]
+    seen = band.allowed(rows, keys, off)
+    bias = -slope * np.abs(rows[:, None] + off - keys[None, :]).astype(np.float64)
+    want = np.where(seen.any(axis=1), np.where(seen, bias, -np.inf).max(axis=1), 0.0)
+    np.testing.assert_allclose(m - running_max.fixed_max(c), want, rtol=1e-15, atol=1e-12)
+    assert running_max.fixed_max_rows(c, None, band, rows, off, Nk) == running_max.fixed_max(c)
+
+
+@pytest.mark.parametrize("kw", VARIANTS[:3])
+def test_the_fixed_rule_with_alibi_rounds_within_a_few_of_p(kw):
+    """In bfloat16 kernel precision the fixed rule with ALiBi keeps O within a few
+    roundings of P of the exact one (as the softcap alone does), and L within fp32's."""
+    q, k, v = _inputs(6, dtype="bfloat16")
+    for slopes in SLOPES[:3]:
+        common = dict(block_sizes=(64, 64), softcap=30.0, alibi_slopes=slopes,
+                      io_dtype="bfloat16", **kw)
+        exact = fs.simulate(q, k, v, **common)
+        ruled = fs.simulate(q, k, v, precision="kernel", softmax_max="fixed", **common)
+        assert np.abs(ruled.out - exact.out).max() <= 4 * 2.0**-8 * np.abs(v).max()
+        fin = np.isfinite(exact.lse)
+        np.testing.assert_allclose(ruled.lse[fin], exact.lse[fin], rtol=0, atol=1e-5)
+
+
 def test_a_row_of_one_key_gives_v_under_the_online_max_alone():
     """One key: the online rule's P = 1 gives O = V exactly; the fixed one's P is
     2^(x − m) rounded to bfloat16, over ℓ in fp32, a rounding away (as measured on the
@@ -137,8 +197,9 @@ def test_rows_past_nq_vote_as_the_kernels_do():
     (dict(softmax_max="lazy", algorithm="flash1"), "rule of the flash2 forward"),
     (dict(softmax_max="fixed", algorithm="splitkv", num_splits=2), "rule of the flash2"),
     (dict(softmax_max="fixed"), "needs every logit bounded"),
-    (dict(softmax_max="fixed", softcap=30.0, alibi_slopes=np.full(2, 0.1)), "bounded"),
+    (dict(softmax_max="fixed", alibi_slopes=np.full(2, 0.1)), "bounded by a softcap"),
     (dict(softmax_max="fixed", softcap=60.0), "softcap ≤ 54.4"),
+    (dict(softmax_max="fixed", softcap=60.0, alibi_slopes=np.full(2, 0.1)), "softcap ≤ 54.4"),
     (dict(softmax_max="lazy", algorithm="ring", world_size=2), "rule of the flash2"),
 ])
 def test_a_rule_that_cannot_run_is_refused(kwargs, says):
@@ -151,10 +212,11 @@ def test_a_rule_that_cannot_run_is_refused(kwargs, says):
 
 
 def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
-    """fs.gpu.softmax_max: "lazy" (float16) and "fixed" (bfloat16) where a softcap without
-    ALiBi runs the Hopper forward fed by the copy engine, "online" elsewhere: no softcap,
-    ALiBi, bfloat16 past softcap 54.4, FLASHSIM_TMA=0, another rung, a head dim the copy
-    engine's forward has no instance for."""
+    """fs.gpu.softmax_max: "lazy" (float16, a softcap without ALiBi) and "fixed" (bfloat16,
+    a softcap with ALiBi or without) where the Hopper forward fed by the copy engine runs,
+    "online" elsewhere: no softcap, ALiBi in float16, bfloat16 past softcap 54.4,
+    FLASHSIM_TMA=0, another rung, a head dim the copy engine's forward has no instance
+    for."""
     from flashsim.gpu import flash2
     rung = ["wg"]
     monkeypatch.setattr(flash2, "_choose", lambda *a, **kw: rung[0])
@@ -179,12 +241,17 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         torch = pytest.importorskip("torch")
         b = torch.zeros((1, 2, 256, 128), dtype=torch.bfloat16)
         assert rule(b, b, softcap=50.0) == "fixed" and rule(b, b, softcap=60.0) == "online"
+        slopes = np.full(2, 0.1, np.float32)
+        assert rule(b, b, softcap=50.0, alibi_slopes=slopes) == "fixed"
+        assert rule(b, b, softcap=60.0, alibi_slopes=slopes) == "online"
+        assert rule(b, b, alibi_slopes=slopes) == "online"
 
 
 def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     """softmax_max="auto" with hardware=: the copy-engine forward's softcap instance on a
-    Hopper GPU runs "fixed" in bfloat16 and "lazy" in float16; ALiBi, no softcap, an
-    Ampere GPU or the other rungs run "online". Without hardware, "auto" is refused."""
+    Hopper GPU runs "fixed" in bfloat16 (with ALiBi or without) and "lazy" in float16;
+    ALiBi in float16, no softcap, an Ampere GPU or the other rungs run "online". Without
+    hardware, "auto" is refused."""
     from flashsim import hierarchy
     from flashsim.problem import Shape
     shape = Shape(200, 200, 64, 64, (1,), (2,), (2,), 2)
@@ -193,6 +260,8 @@ def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     assert rule(shape, "float16", "H100", softcap=30.0) == "lazy"
     assert rule(shape, "bfloat16", "H100", softcap=60.0) == "online"
     assert rule(shape, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "online"
+    assert rule(shape, "bfloat16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
+    assert rule(shape, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "online"
     assert rule(shape, "float16", "H100") == "online"
     assert rule(shape, "float16", "A100", softcap=30.0) == "online"
     assert rule(shape, "float16", "H100", softcap=30.0, launch="tc") == "online"

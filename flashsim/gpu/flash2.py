@@ -207,8 +207,9 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
                 alibi_slopes=None) -> str:
     """The rule for the softmax's m (`flashsim.running_max`) that `attention` runs these
     inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
-    and "lazy" in float16 where a softcap without ALiBi runs the Hopper forward fed by the
-    copy engine (flashsim.kernels.cap_only), else "online"."""
+    (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap without ALiBi)
+    where the Hopper forward fed by the copy engine runs its softcap instance
+    (flashsim.kernels.cap_only), else "online"."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
@@ -246,8 +247,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     right)`` (−1 unbounded; tiles outside the band are skipped), ``softcap=c`` and
     ``alibi_slopes`` ((heads,) or (batch, heads), fp32), on every rung (the fast rungs
     run softcap and ALiBi in their own template instances, so plain attention pays
-    nothing for them; a softcap without ALiBi runs the Hopper forward under a fixed
-    softmax max in bfloat16 and a lazy one in float16, flashsim.kernels.cap_only).
+    nothing for them; a softcap runs the Hopper forward under a fixed softmax max in
+    bfloat16, with ALiBi or without, and a lazy one in float16 without ALiBi,
+    flashsim.kernels.cap_only).
 
     ``algorithm``: "flash2" (default), or the paper's other two schedules on the
     reference rung, "flash1" (FlashAttention-1: K/V outer, O, ℓ, m through HBM at every
@@ -284,7 +286,7 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                                                       softcap, alibi_slopes)
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
-    # flash2_fwd_ws's instance: the VAR one, or the softcap's alone (kernels.cap_only)
+    # flash2_fwd_ws's instance: the VAR one, or the softcap's (kernels.cap_only)
     ws_var = K.CAP_ONLY if var and K.cap_only(dtype, softcap, alibi_slopes) else var
     P, Nq = shape.problems, shape.Nq
     # O laid out as q is (q read through its strides: no copies of (B, N, H, d) inputs)
