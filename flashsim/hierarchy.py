@@ -381,7 +381,8 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
     """The rule for the softmax's m (`flashsim.running_max`) of the forward the project's
     kernel ``launch`` runs on ``hardware``: the copy-engine forward's softcap instance
     (kernels.cap_only: a softcap, with ALiBi in bfloat16 only) runs "fixed" in bfloat16
-    and "lazy" in float16, every other launch "online" (`flashsim.gpu.softmax_max` on a real device)."""
+    and "lazy" in float16, every other launch "online" (`flashsim.gpu.softmax_max` on a
+    real device)."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
     variant = softcap is not None or alibi_slopes is not None

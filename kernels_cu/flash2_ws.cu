@@ -38,10 +38,11 @@
 //                          the rest for it, and masks only where its rows meet the band
 //                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
-//                        CAP_ONLY = true (with VAR): a softcap without ALiBi
-//                        (kernels.cap_only). In bfloat16 under a fixed softmax max: no
-//                        row max, α or rescale of O (wgmma.cuh's cap_fixed_m; NOTES v56).
-//                        In float16 under a lazy running max: a step's exponentials
+//                        CAP_ONLY = true (with VAR): a softcap (kernels.cap_only). In
+//                        bfloat16, with ALiBi or without, under a fixed softmax max: no
+//                        row max, α or rescale of O (wgmma.cuh's cap_fixed_m; with ALiBi
+//                        per row, fixed_m_alibi; NOTES v56, v66). In float16 without
+//                        ALiBi under a lazy running max: a step's exponentials
 //                        take the steps before's m, and a warp reduces its rows' max
 //                        and takes the online step only where some P may pass 2^12
 //                        (wg_softmax_lazy; v57, v59).
