@@ -102,22 +102,28 @@ def test_arithmetic_intensity(tmp_path):
 
 def test_softmax_max(tmp_path):
     """analysis/softmax_max.py: each rule's O error against float64 in the kernels'
-    precision; the rules the Hopper softcap instance runs stay within a few times the
-    online one's, and float16 under a fixed max does not."""
+    precision, with ALiBi or without; the rules the Hopper softcap instance runs stay
+    within a few times the online one's, and float16 under a fixed max does not."""
     mod = load("softmax_max")
     assert mod.main(["--quick", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "softmax_max.csv")
-    # 2 dtypes × softcap 30 × scales 1, 3 × 3 rules
-    assert len(rows) == 2 * 1 * 2 * 3
-    by = {(r["dtype"], float(r["logit_scale"]), r["rule"]): r for r in rows}
-    for (dtype, scale, rule), r in by.items():
-        assert (r["kernel_runs_it"] == "True") == (rule == {"bfloat16": "fixed", "float16": "lazy"}[dtype])
-        err, online = float(r["max_err"]), float(by[(dtype, scale, "online")]["max_err"])
-        if r["kernel_runs_it"] == "True" or rule == "lazy":
+    # 2 dtypes × softcap 30 × scales 1, 3 × ALiBi or not × 3 rules
+    assert len(rows) == 2 * 1 * 2 * 2 * 3
+    by = {(r["dtype"], float(r["logit_scale"]), r["alibi"] == "True", r["rule"]): r for r in rows}
+    runs = {("bfloat16", False): "fixed", ("float16", False): "lazy",
+            ("bfloat16", True): "fixed", ("float16", True): "online"}
+    for (dtype, scale, alibi, rule), r in by.items():
+        assert (r["kernel_runs_it"] == "True") == (rule == runs[(dtype, alibi)])
+        err = float(r["max_err"])
+        online = float(by[(dtype, scale, alibi, "online")]["max_err"])
+        if rule != "online" and (r["kernel_runs_it"] == "True" or rule == "lazy"):
             assert 0 < err <= 3 * online and float(r["max_lse_err"]) < 1e-4
-    assert float(by[("float16", 1.0, "fixed")]["max_err"]) > 100 * float(by[("float16", 1.0, "online")]["max_err"])
+    for alibi in (False, True):
+        assert float(by[("float16", 1.0, alibi, "fixed")]["max_err"]) > \
+            100 * float(by[("float16", 1.0, alibi, "online")]["max_err"])
     md = (tmp_path / "softmax_max.md").read_text()
-    assert "| bfloat16 | 30 | 3 | **fixed** |" in md and "| float16 | 30 | 3 | **lazy** |" in md
+    assert "| bfloat16 | 30 | 3 | no | **fixed** |" in md and "| float16 | 30 | 3 | no | **lazy** |" in md
+    assert "| bfloat16 | 30 | 3 | yes | **fixed** |" in md and "| float16 | 30 | 3 | yes | **online** |" in md
 
 
 def test_traffic_vs_sram(tmp_path):
