@@ -9,7 +9,8 @@ largest P is exactly 1 under the online max alone, and P is rounded to the I/O t
 before P V. This script runs `fs.simulate(..., precision="kernel", softmax_max=rule)` for
 each rule, dtype, softcap c, logit scale (q and k multiplied by it: larger is more
 peaked) and ALiBi or none (the standard slopes 2^(−8h/H); the fixed rule then takes m per
-row, `running_max.fixed_max_rows`), and reports the largest and the mean |O − O_exact| ÷ max |V| (O_exact: float64 on
+row, `running_max.fixed_max_rows`; the lazy rule visits each Q tile's diagonal key tile
+first, `running_max.key_order`), and reports the largest and the mean |O − O_exact| ÷ max |V| (O_exact: float64 on
 the same rounded inputs) and the largest |L − L_exact|.
 
 "fixed" in float16 is included to show why the kernel does not run it: float16's range
@@ -34,7 +35,7 @@ DTYPES = ("bfloat16", "float16")
 RULES = ("online", "fixed", "lazy")
 SOFTCAPS = (5.0, 30.0, 50.0)
 SCALES = (1.0, 3.0, 9.0)
-N, D, HEADS, TILES = 512, 64, 4, (128, 128)
+N, D, HEADS, TILES = 512, 128, 4, (128, 128)   # the copy-engine forward's d = 128 tiles
 SLOPES = 2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS)   # ALiBi's standard slopes
 QUICK = dict(N=128, softcaps=(30.0,), scales=(1.0, 3.0))
 
@@ -83,8 +84,9 @@ def compute(n, softcaps, scales, seed=0) -> list[dict]:
 
 
 def _kernel_runs(dtype, c, slopes, rule) -> bool:
-    """Whether the Hopper forward's softcap instance runs this rule (kernels.cap_only)."""
-    if not fs.kernels.cap_only(dtype, c, slopes):
+    """Whether the Hopper forward's softcap instance runs this rule at head dim D
+    (kernels.cap_only)."""
+    if not fs.kernels.cap_only(dtype, c, slopes, fs.kernels.instance_dim("wg", D, D, False)):
         return rule == "online"
     return rule == ("fixed" if dtype == "bfloat16" else "lazy")
 
@@ -107,7 +109,8 @@ def markdown(rows, n) -> str:
            "rule never does: their O error is up to about twice the online one's on "
            "peaked rows, and the same on flat ones. L takes ℓ in fp32 under every rule.",
            "- With ALiBi the fixed rule's m is per row (the softcap's m plus the largest "
-           "bias the row sees), and its cost is of the same size.",
+           "bias the row sees), and the lazy rule visits each Q tile's diagonal key tile "
+           "first (where the row's biases are largest); their cost is of the same size.",
            "- The fixed rule in float16 fails: m = min(c, 125·ln 2 − c) puts some rows' P "
            "past 2^16 or below 2^−24, which is why float16's softcap runs the lazy rule.",
            ""]

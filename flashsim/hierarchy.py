@@ -380,17 +380,21 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
                  softcap=None, alibi_slopes=None) -> str:
     """The rule for the softmax's m (`flashsim.running_max`) of the forward the project's
     kernel ``launch`` runs on ``hardware``: the copy-engine forward's softcap instance
-    (kernels.cap_only: a softcap, with ALiBi in bfloat16 only) runs "fixed" in bfloat16
-    and "lazy" in float16, every other launch "online" (`flashsim.gpu.softmax_max` on a
-    real device)."""
+    (kernels.cap_only: a softcap, with ALiBi or without, in bfloat16; a softcap or ALiBi
+    in float16, ALiBi at kernels.diagonal_first's D) runs "fixed" in bfloat16 and "lazy"
+    in float16, as does the cp.async forward's in bfloat16 (kernels.wg_fixed); every other
+    launch "online" (`flashsim.gpu.softmax_max` on a real device)."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
     variant = softcap is not None or alibi_slopes is not None
-    if not (variant and K.cap_only(dtype, softcap, alibi_slopes)):
+    D = K.instance_dim("wg", shape.d, shape.dv, False)
+    if not (variant and K.cap_only(dtype, softcap, alibi_slopes, D)):
         return "online"
-    if choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) != "wg" \
-            or not _copy_engine_forward(shape, block_sizes, False, variant):
+    if choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) != "wg":
         return "online"
+    if not (_copy_engine_forward(shape, block_sizes, False, variant)
+            or (softcap is not None and K.wg_fixed(dtype, D))):
+        return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if dtype == "bfloat16" else "lazy"
 
 

@@ -174,6 +174,12 @@ WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 160: (64, 64), 
                  224: (64, 64), 256: (64, 64)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
+# flash2_fwd_wg's softcap instance (``variant`` = CAP_ONLY, bfloat16, not varlen): a
+# softcap ≤ 54.4, with ALiBi or without, under flash2_fwd_ws's fixed max (cap_only; NOTES
+# v68), at every D but 64, whose 128 registers (two CTAs per SM) spill with it; as do the
+# varlen instances, which keep the online max (and so a varlen batch's bits stay each
+# sequence's under the online max)
+WG_FIXED_HEAD_DIMS = (32, 96, 128, 160, 192, 224, 256)
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
 # address (flashsim/gpu/_tma.py) at D ∈ WS_HEAD_DIMS (head dims below D too: the copy
 # engine zero-fills the columns past them, NOTES v30): a producer warpgroup
@@ -314,24 +320,44 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
 #   at 2^32: ℓ and O stay finite unless |V| ≥ 2^(96 − log2 Nk). ALiBi shifts a row's
 #   logits by its bias, at most B over the row's visible keys: m + B per row keeps the same
 #   bounds (fixed_m_alibi; running_max.fixed_max_rows).
-# - float16, whose 2^−24 … 2^16 holds no such interval, without ALiBi: a lazy running max
-#   (wgmma.cuh's wg_softmax_lazy). A step's exponentials take the m of the steps before;
-#   only a warp where some P may pass 2^12 reduces its rows' max and takes the online step
-#   again. (ALiBi's bias, rising towards the diagonal, would move that max at most steps:
-#   float16 with slopes keeps the online VAR instance, NOTES v65.)
+# - float16, whose 2^−24 … 2^16 holds no such interval: a lazy running max (wgmma.cuh's
+#   wg_softmax_lazy). A step's exponentials take the m of the steps before; only a warp
+#   where some P may pass 2^12 reduces its rows' max and takes the online step again.
+#   ALiBi's bias rises along a row towards its diagonal key: in key order it moved that
+#   max at most steps (NOTES v65), so with ALiBi (a softcap or none) each Q tile visits
+#   the key tile of its middle row's diagonal key first, where its rows' biases are
+#   largest (v69; running_max.key_order). That holds for every row only where the tiles
+#   are square (diagonal_first: D = 96, 128); at D = 64 (192 × 64 tiles) float16 with
+#   slopes keeps the online VAR instance.
 CAP_ONLY = 2
 CAP_HEADROOM = 32
 
 
-def cap_only(dtype: str, softcap, alibi_slopes) -> bool:
-    """flash2_fwd_ws runs this forward in its softcap instance (CAP_ONLY): a softcap in
-    bfloat16 with 2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4), with ALiBi or
-    without, and a softcap without ALiBi in float16."""
-    if softcap is None:
-        return False
+def cap_only(dtype: str, softcap, alibi_slopes, D: int | None = None) -> bool:
+    """flash2_fwd_ws runs this forward at instance D in its softcap instance (CAP_ONLY):
+    a softcap in bfloat16 with 2·softcap·log2(e) − 125 ≤ CAP_HEADROOM (softcap ≤ 54.4),
+    with ALiBi or without (the fixed max); in float16 a softcap without ALiBi, or ALiBi,
+    with a softcap or without, where diagonal_first(D) (the lazy max)."""
     if dtype == "bfloat16":
-        return 2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM
-    return dtype == "float16" and alibi_slopes is None
+        return softcap is not None and 2 * float(softcap) * math.log2(math.e) - 125 <= CAP_HEADROOM
+    if dtype != "float16":
+        return False
+    if alibi_slopes is None:
+        return softcap is not None
+    return D is not None and diagonal_first(D)
+
+
+def wg_fixed(dtype: str, D: int) -> bool:
+    """flash2_fwd_wg has a softcap instance (CAP_ONLY, the fixed max) for this dtype and D
+    (bfloat16, D ∈ WG_FIXED_HEAD_DIMS); where cap_only holds, dense launches run it."""
+    return dtype == "bfloat16" and D in WG_FIXED_HEAD_DIMS
+
+
+def diagonal_first(D: int) -> bool:
+    """flash2_fwd_ws's float16 softcap instance at D runs ALiBi, visiting each Q tile's
+    diagonal key tile first: its softcap/ALiBi tiles are square, so that tile holds the
+    diagonal key of every row of an aligned Q tile."""
+    return D in WS_HEAD_DIMS and ws_blocks(D, True)[0] == ws_blocks(D, True)[1]
 
 
 def tc_supports(d: int, dv: int, dtype: str, cc: int, smem_limit: int, block_sizes=None,
@@ -619,6 +645,17 @@ def instances(source: str | None = None) -> list[Instance]:
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
                         for var, vl in VARIANT_FLAGS:
+                            if k == "flash2_fwd_wg":    # <T, D, VAR, VL, CAP_ONLY>
+                                kinds = [(var, False)] + ([(CAP_ONLY, True)] if var and not vl
+                                                          and wg_fixed(dt, D) else [])
+                                out.extend(Instance(
+                                    src, k, dt, D,
+                                    f"{k}<{T}, {D}, {str(bool(v)).lower()}, {str(vl).lower()}, "
+                                    f"{str(f).lower()}>",
+                                    f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(bool(v))}ELb{int(vl)}ELb{int(f)}EE",
+                                    v, vl)
+                                    for v, f in kinds)
+                                continue
                             if k == "flash2_fwd_ws" and not vl:   # <T, D, VAR, CAP_ONLY>
                                 kinds = [(var, False)] + ([(CAP_ONLY, True)] if var else [])
                                 out.extend(Instance(

@@ -22,7 +22,10 @@ rounds once it is fed to the second product in the I/O type.
   each sum P over their share of the tile's keys (key c to thread (c mod 8) // 2), and a
   warp (16 rows from the tile's first) takes the online step only where a share of one
   of its rows passed 2^12, or one of its rows has seen no key yet. Rows of the last tile
-  past Nq count as the kernel's do: zero scores, masked by the band.
+  past Nq count as the kernel's do: zero scores, masked by the band. With ALiBi a tile
+  visits its key tiles as the kernel does (`key_order`): first the one holding the
+  diagonal key of its middle row, where its rows' biases are largest, then the others
+  in order; in key order the rising bias would move m at most steps.
 
 The rule changes no byte of traffic: m and ℓ live in SRAM either way.
 """
@@ -93,6 +96,21 @@ def _safe(m):
     return np.where(np.isneginf(m), 0.0, m)
 
 
+def key_order(j_first: int, j_last: int, i0: int, rows: int, off: int, Bc: int,
+              diagonal: bool) -> list[int]:
+    """The K/V tiles j_first … j_last of the Q tile of ``rows`` rows from query i0 in the
+    order the lazy rule's kernel visits them (flash2_ws.cu's key_tile): in key order, or
+    (``diagonal``: with ALiBi) the tile of the diagonal key of the middle row first
+    (``off`` = Nk − Nq: row r's diagonal key is r + off), then the others in order."""
+    order = list(range(j_first, j_last + 1))
+    if not diagonal or not order:
+        return order
+    # C's division truncates towards 0, Python's floors: they differ only below 0, where
+    # both clamp to j_first ≥ 0
+    jd = min(max((i0 + rows // 2 + off) // Bc, j_first), j_last)
+    return [jd] + [j for j in order if j != jd]
+
+
 def lazy_step(S, m, unseen_past=None):
     """One step of the lazy rule on a tile's scores S (..., rows, keys) and the row max
     m (..., rows) of the steps before: (P, α, m_new). ``unseen_past`` (rows past Nq in
@@ -117,4 +135,5 @@ def lazy_step(S, m, unseen_past=None):
     return P, alpha, m_new
 
 
-__all__ = ["RULES", "check_rule", "check_scores", "fixed_max", "fixed_max_rows", "lazy_step"]
+__all__ = ["RULES", "check_rule", "check_scores", "fixed_max", "fixed_max_rows", "key_order",
+           "lazy_step"]

@@ -308,7 +308,10 @@ def kv_sweep(mc: Machine, Qi, K, V, shape: Shape, tiles: Tiles, scores: Scores, 
     if lazy:      # its vote counts the kernel's rows past Nq in the last tile's last warp
         past = np.arange(i * tiles.Br + rows, i * tiles.Br + rows + (-rows) % running_max.WARP_ROWS)
         unseen_past = np.ones(past.shape, dtype=bool)
-    for j in range(j_first, j_last + 1):
+    # (lazy with ALiBi: the kernel's order, the diagonal key tile first; the same traffic)
+    order = running_max.key_order(j_first, j_last, i * tiles.Br, rows, tiles.off, tiles.Bc,
+                                  lazy and scores.slopes is not None)
+    for n, j in enumerate(order):
         j0, j1 = j * tiles.Bc, min((j + 1) * tiles.Bc, shape.Nk)
         Kj = mc.load("K", K, j0, j1)                             # HBM→SRAM: K_j (Bc·d)
         Vj = mc.load("V", V, j0, j1)                             # HBM→SRAM: V_j (Bc·dv)
@@ -318,7 +321,7 @@ def kv_sweep(mc: Machine, Qi, K, V, shape: Shape, tiles: Tiles, scores: Scores, 
             m_new = mi
             P = np.exp(S - mi[..., None])
             alpha = np.ones_like(mi)
-        elif lazy and j > j_first:
+        elif lazy and n > 0:
             P, alpha, m_new = running_max.lazy_step(S, mi, unseen_past)
         else:
             m_new = np.maximum(mi, S.max(axis=-1))

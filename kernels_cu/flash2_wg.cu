@@ -1,7 +1,7 @@
 // flash2_wg.cu: the Hopper rung. The forward of flash2_tc.cu (the same schedule, the same
 // visited tiles, so the same traffic) on the warpgroup MMA of sm_90a.
 //
-//   flash2_fwd_wg<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, 96, 128,
+//   flash2_fwd_wg<T, D, VAR, VL, CAP_ONLY>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, 96, 128,
 //                        160, 192, 224, 256}: head dims d, dv ≤ D, multiples of 8 (the
 //                        columns past them zero-filled by the loads and never stored; so
 //                        too in the backward below), tiles Br × Bc = 128 × 128 (D = 96,
@@ -34,6 +34,9 @@
 //                        finished in log2 units by tensor_core.cuh's VarScores before
 //                        the mask); VL = true (with VAR) runs a packed varlen batch from
 //                        common.cuh's table of real tiles; windows run on all (the band).
+//                        CAP_ONLY = true (with VAR, bfloat16, D ∈ kernels.WG_FIXED_HEAD_DIMS,
+//                        not VL): a softcap ≤ 54.4, with ALiBi or without, under the
+//                        fixed max of flash2_ws.cu's softcap instance (NOTES v68).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
@@ -101,7 +104,7 @@ __device__ __forceinline__ void load_tile(unsigned s, const T* g, int ld, int va
 
 }  // namespace wg
 
-template <typename T, int D, bool VAR, bool VL>
+template <typename T, int D, bool VAR, bool VL, bool CAP_ONLY>
 __global__ void __launch_bounds__(wg::THREADS, wg::min_blocks<D>())
 flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
@@ -157,11 +160,21 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
-    float m0 = neg_inf<float>(), m1 = neg_inf<float>();   // running max (log2 domain), rows g, g + 8
+    // the softcap instance (CAP_ONLY, bfloat16, where kernels.cap_only and wg_fixed say):
+    // the fixed max of flash2_fwd_ws's (wgmma.cuh's cap_fixed_m; with ALiBi per row,
+    // fixed_m_alibi): no row max, α or rescale of O (NOTES v68)
+    constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
+    const int r0 = grp * 64 + (warp & 3) * 16 + g;   // this thread's rows r0, r0 + 8 in the tile
+    float m0 = FIXED ? cap_fixed_m(k_out) : neg_inf<float>(), m1 = m0;   // running max (log2 domain), rows g, g + 8
+    // (FIXED: the slope read once; read at each step, a predicate register spilled)
+    const float slope_p = FIXED && slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f;
+    if (FIXED && slope_p != 0.f) {
+        m0 = fixed_m_alibi(m0, k_out * slope_p, i0 + r0, nk, band);
+        m1 = fixed_m_alibi(m1, k_out * slope_p, i0 + r0 + 8, nk, band);
+    }
     float l0 = 0.f, l1 = 0.f;                        // partial row sums of this thread
 #pragma unroll
     for (int x = 0; x < D / 2; ++x) o[x] = 0.f;
-    const int r0 = grp * 64 + (warp & 3) * 16 + g;   // this thread's rows r0, r0 + 8 in the tile
 
     // S = Q_i K_jᵀ from K buffer kb: D/16 instructions of 64 × Bc × 16, the first
     // overwriting S; committed as one group
@@ -199,8 +212,8 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     };
     // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
     auto softmax = [&](int j, float& a0, float& a1) {
-        wg_softmax<Bc, Br, VAR>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
-                                sl2, k_in, k_out, VAR && slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f);
+        wg_softmax<Bc, Br, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
+                                sl2, k_in, k_out, FIXED ? slope_p : VAR && slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f);
     };
     auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
 
@@ -262,9 +275,11 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk)         // the product has read P_{j−1}: only now
             asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
+        if constexpr (!FIXED) {                      // (FIXED: α = 1)
 #pragma unroll
-        for (int t = 0; t < D / 8; ++t) {
-            o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+            for (int t = 0; t < D / 8; ++t) {
+                o[4 * t] *= a0; o[4 * t + 1] *= a0; o[4 * t + 2] *= a1; o[4 * t + 3] *= a1;
+            }
         }
         pack_p();
     }

@@ -38,14 +38,16 @@
 //                          the rest for it, and masks only where its rows meet the band
 //                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
-//                        CAP_ONLY = true (with VAR): a softcap (kernels.cap_only). In
+//                        CAP_ONLY = true (with VAR): the softcap instance (kernels.cap_only). In
 //                        bfloat16, with ALiBi or without, under a fixed softmax max: no
 //                        row max, α or rescale of O (wgmma.cuh's cap_fixed_m; with ALiBi
-//                        per row, fixed_m_alibi; NOTES v56, v66). In float16 without
-//                        ALiBi under a lazy running max: a step's exponentials
-//                        take the steps before's m, and a warp reduces its rows' max
-//                        and takes the online step only where some P may pass 2^12
-//                        (wg_softmax_lazy; v57, v59).
+//                        per row, fixed_m_alibi; NOTES v56, v66). In float16 under a
+//                        lazy running max: a step's exponentials take the steps
+//                        before's m, and a warp reduces its rows' max and takes the
+//                        online step only where some P may pass 2^12 (wg_softmax_lazy;
+//                        v57, v59); with ALiBi (a softcap or none, at D = 96 and 128,
+//                        whose tiles are square) each Q tile visits its diagonal key
+//                        tile first, where its rows' biases are largest (v69).
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
 //                        outside the tensor, so a ragged last tile arrives zero-filled. A
@@ -210,12 +212,29 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         return x;
     };
 
-    // the last K/V tile consumer warpgroup c's own rows see: jlo − 1 where they see none or
+    // The key tile of a Q tile's step n: jlo + n, or, with ALiBi under float16's lazy max
+    // (the softcap instance at square tiles, kernels.cap_only), first the tile holding the
+    // diagonal key of the Q tile's middle row, then the others in order. ALiBi's logits
+    // rise along a row towards its diagonal key: in key order the lazy max moved at most
+    // steps (NOTES v65); from the tile of the largest biases it moves at almost none
+    // (v69). The producer and the consumers both take it; the ring's slots and phases stay
+    // per step.
+    constexpr bool DIAG_FIRST = VAR && CAP_ONLY && !IsBf16<T>::value && Br == Bc;
+    const bool diag = DIAG_FIRST && slopes != nullptr;
+    auto key_tile = [&](const Tile& x, int n) {
+        if (!diag) return x.jlo + n;
+        const int jd = min(max((x.i0 + x.rows / 2 + nk - nq) / Bc, x.jlo), x.jhi);
+        return n == 0 ? jd : x.jlo + n - (x.jlo + n - 1 < jd ? 1 : 0);
+    };
+
+    // the last step consumer warpgroup c's own rows see: jlo − 1 where they see none or
     // lie past N. Rows see one interval of keys, so a warpgroup's steps are the tile's first
     // ones; the last warpgroup with rows below N sees the tile's last key tile, so some
-    // warpgroup runs every step. The producer and the consumers both compute it
+    // warpgroup runs every step. The producer and the consumers both compute it. (Diagonal
+    // first, a warpgroup's key tiles need not be the first steps: every warpgroup runs
+    // every step, masking what its rows do not see.)
     auto wg_last = [&](const Tile& x, int c) {
-        if (!FLASHSIM_WS_WG_BOUND) return x.jhi;
+        if (!FLASHSIM_WS_WG_BOUND || diag) return x.jhi;
         const int r = min(64, x.rows - 64 * c);
         int lo = 0, hi = -1;
         if (r > 0) band.kv_range(x.i0 + 64 * c, x.i0 + 64 * c + r, nk, Bc, &lo, &hi);
@@ -284,10 +303,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 #pragma unroll
                 for (int cb = 0; cb < D / CL::W; ++cb)
                     tma_load_3d(sQ0 + q * TILE_Q + cb * Br * CL::RB, &tmQ, cq + cb * CL::W, x.i0, zq, fullQ(q));
-                for (int j = x.jlo; j <= x.jhi; ++j, ++n) {
+                for (int j = x.jlo; j <= x.jhi; ++j, ++n) {   // step j − jlo
                     const int s = n % STAGES;
                     const unsigned ph = (n / STAGES) & 1;
-                    const int j0 = j * Bc;
+                    const int j0 = key_tile(x, j - x.jlo) * Bc;
                     mbar_wait(emptyK(s), ph ^ 1);    // the slot's last K has been read
                     mbar_expect_tx(fullK(s), TILE_KV);   // HBM→SRAM: K_j (Bc·d)
 #pragma unroll
@@ -314,9 +333,9 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const int cw = __shfl_sync(0xffffffffu, grp, 0) - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
-    // a softcap (CAP_ONLY, where kernels.cap_only says): under a fixed max in bfloat16, with
-    // ALiBi or not (wgmma.cuh's cap_fixed_m, fixed_m_alibi), a lazy running max in float16
-    // without ALiBi (wg_softmax_lazy)
+    // the softcap instance (CAP_ONLY, where kernels.cap_only says): under a fixed max in
+    // bfloat16, with ALiBi or not (wgmma.cuh's cap_fixed_m, fixed_m_alibi), a lazy running
+    // max in float16 (wg_softmax_lazy; with ALiBi, the diagonal key tile first: key_tile)
     constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
     constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
@@ -392,25 +411,26 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
         // (its mask test over the warpgroup's 64 rows, or the tile's Br: the same scores)
         constexpr int BrM = FLASHSIM_WS_WG_MASK ? 64 : Br, W0 = FLASHSIM_WS_WG_MASK ? 64 : 0;
+        auto kt = [&](int j) { return key_tile(tl, j - jlo); };   // step j's key tile
         auto softmax = [&](int j, float& a0, float& a1) {
-            wg_softmax<Bc, BrM, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0 + cw * W0, r0 - cw * W0, tig,
+            wg_softmax<Bc, BrM, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, kt(j) * Bc, i0 + cw * W0, r0 - cw * W0, tig,
                                      nq, nk, band, sl2, k_in, k_out,
                                      VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
         auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
         auto softmax_lazy = [&](int j, float& a0, float& a1) {
-            wg_softmax_lazy<T, Bc, BrM, VAR>(s, pf, m0, m1, l0, l1, a0, a1, j * Bc, i0 + cw * W0,
+            wg_softmax_lazy<T, Bc, BrM, VAR>(s, pf, m0, m1, l0, l1, a0, a1, kt(j) * Bc, i0 + cw * W0,
                                              r0 - cw * W0, tig, nq, nk, band, sl2, k_in, k_out,
                                              VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
         // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
         // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
         auto scores = [&](int j) {
-            wg_scores<Bc, BrM, VAR>(s, j * Bc, i0 + cw * W0, r0 - cw * W0, tig, nq, nk, band, k_in,
+            wg_scores<Bc, BrM, VAR>(s, kt(j) * Bc, i0 + cw * W0, r0 - cw * W0, tig, nq, nk, band, k_in,
                                     k_out, VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
 
-        // Step n (tile j = jlo + n, the CTA's fill nb + n of the K/V slots: slot
+        // Step n (j = jlo + n, key tile kt(j), the CTA's fill nb + n of the K/V slots: slot
         // (nb + n) % STAGES, whose parity the waits name): S_j and P_{j−1} V_{j−1} issued
         // together; K's slot freed once S_j is done, V's once the second product is. (ptxas
         // places the wait for the second product above the softmax: NOTES v43.)

@@ -111,7 +111,7 @@ def test_softmax_max(tmp_path):
     assert len(rows) == 2 * 1 * 2 * 2 * 3
     by = {(r["dtype"], float(r["logit_scale"]), r["alibi"] == "True", r["rule"]): r for r in rows}
     runs = {("bfloat16", False): "fixed", ("float16", False): "lazy",
-            ("bfloat16", True): "fixed", ("float16", True): "online"}
+            ("bfloat16", True): "fixed", ("float16", True): "lazy"}   # d = 128
     for (dtype, scale, alibi, rule), r in by.items():
         assert (r["kernel_runs_it"] == "True") == (rule == runs[(dtype, alibi)])
         err = float(r["max_err"])
@@ -123,7 +123,7 @@ def test_softmax_max(tmp_path):
             100 * float(by[("float16", 1.0, alibi, "online")]["max_err"])
     md = (tmp_path / "softmax_max.md").read_text()
     assert "| bfloat16 | 30 | 3 | no | **fixed** |" in md and "| float16 | 30 | 3 | no | **lazy** |" in md
-    assert "| bfloat16 | 30 | 3 | yes | **fixed** |" in md and "| float16 | 30 | 3 | yes | **online** |" in md
+    assert "| bfloat16 | 30 | 3 | yes | **fixed** |" in md and "| float16 | 30 | 3 | yes | **lazy** |" in md
 
 
 def test_traffic_vs_sram(tmp_path):

@@ -667,8 +667,8 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
         q, k, v = (cp.asarray(x) for x in (q, k, v))
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     own = None
-    if fs.kernels.cap_only("float16", kw.get("softcap"), kw.get("alibi_slopes")):
-        # a softcap alone runs its own instance under a lazy max
+    if fs.kernels.cap_only("float16", kw.get("softcap"), kw.get("alibi_slopes"), 128):
+        # a softcap, or ALiBi, runs the softcap instance under a lazy max
         # (test_a_softcap_alone_runs_its_own_instance); the VAR instance gives wg's bits
         own = fs.gpu.attention(q, k, v, **kw)
         monkeypatch.setattr(fs.kernels, "cap_only", lambda *a: False)
@@ -695,17 +695,19 @@ def test_the_tma_forward_gives_the_cp_async_forwards_bits(monkeypatch, torch_in,
 def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
     """A softcap runs flash2_fwd_ws's softcap instance (kernels.CAP_ONLY): in bfloat16
     under a fixed max (no running max, α or rescale; with ALiBi, m per row: the largest
-    bias the row sees added), in float16 without ALiBi under a lazy one (a warp takes the
-    online step only where some P may pass 2^12, or a row sees its first key after the
-    tile's first step). ALiBi in float16, and in bfloat16 a softcap past 54.4, run the
-    online VAR instance. bfloat16's ALiBi: steep, flat, negative and per-batch slopes,
-    with causal, a window and Nq ≠ Nk (rows whose diagonal key is outside the keys). Against the simulator: the traffic
-    exactly, O and L to the kernel-precision twin's tolerance, rows that see no key 0 and
-    −∞; logits held at ±c by outliers, keys whose logits grow along the row (the lazy max
-    moves at many steps), Nq ≠ Nk (rows past the keys under the bottom-right causal mask
-    see none), ragged tiles, a window that cuts tiles (rows whose first key comes after
-    their tile's first step, with a softcap of 0.5: no P near 2^12); and the two instances' O a few
-    roundings of P apart, their L a few float roundings."""
+    bias the row sees added), in float16 under a lazy one (a warp takes the online step
+    only where some P may pass 2^12, or a row sees its first key after the tile's first
+    step). ALiBi in float16 at d = 96 and 128 (kernels.diagonal_first), with a softcap or
+    without, runs there too, each Q tile's diagonal key tile first. ALiBi in float16 at
+    d = 64, and in bfloat16 a softcap past 54.4 or ALiBi alone, run the online VAR
+    instance. ALiBi: steep, flat, negative and per-batch slopes, with causal, a window
+    and Nq ≠ Nk (rows whose diagonal key is outside the keys). Against the simulator: the
+    traffic exactly, O and L to the kernel-precision twin's tolerance, rows that see no
+    key 0 and −∞; logits held at ±c by outliers, keys whose logits grow along the row (the
+    lazy max moves at many steps), Nq ≠ Nk (rows past the keys under the bottom-right
+    causal mask see none), ragged tiles, a window that cuts tiles (rows whose first key
+    comes after their tile's first step, with a softcap of 0.5: no P near 2^12); and the
+    two instances' O a few roundings of P apart, their L a few float roundings."""
     from flashsim.gpu import flash2
     seen = []
     real = flash2.dev.kernel
@@ -721,12 +723,16 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
     ramp = rnd(k * np.linspace(0.2, 6, 200)[:, None])    # later keys, larger logits
     cases = [(50.0, k, dict()), (54.0, k, dict(causal=True)), (0.5, k, dict(window=(70, 3))),
              (30.0, k, dict(window=(0, 0))), (50.0, ramp, dict()), (30.0, ramp, dict(causal=True))]
-    if dtype == "bfloat16":
+    lazy_alibi = dtype == "float16" and fs.kernels.diagonal_first(d)
+    if dtype == "bfloat16" or lazy_alibi:
         steep, flat = rng.uniform(0.2, 1.0, 4), rng.uniform(0, 1e-3, 4)
         cases += [(30.0, k, dict(alibi_slopes=steep)), (50.0, ramp, dict(alibi_slopes=flat)),
                   (30.0, k, dict(alibi_slopes=-flat * 50, causal=True)),
                   (5.0, k, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)), window=(70, 3))),
                   (54.0, ramp, dict(alibi_slopes=steep, causal=True))]
+    if lazy_alibi:       # float16's ALiBi without a softcap: the lazy max, diagonal first
+        cases += [(None, k, dict(alibi_slopes=steep)), (None, ramp, dict(alibi_slopes=steep, causal=True)),
+                  (None, k, dict(alibi_slopes=-flat * 50, window=(0, 0)))]
     for c, kk, kw in cases:
         variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
         seen.clear()
@@ -734,21 +740,77 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
         assert seen[-1] == ("flash2_fwd_ws", dtype, fs.kernels.CAP_ONLY), (c, kw)
     # the online instance where the softcap instance does not apply
     sl = rng.uniform(0, 0.5, 4)
-    for c, slopes in (((60.0, None), (60.0, sl)) if dtype == "bfloat16" else ((30.0, sl),)):
+    for c, slopes in (((60.0, None), (60.0, sl), (None, sl)) if dtype == "bfloat16"
+                      else () if lazy_alibi else ((30.0, sl), (None, sl))):
         variants = dict(causal=False, window=None, softcap=c, alibi_slopes=slopes)
         seen.clear()
         check_variants_forward(q, k, v, dtype, None, variants)
         assert seen[-1] == ("flash2_fwd_ws", dtype, True), (dtype, c)
     # the two instances on the same inputs: a few roundings of P apart
     eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
-    for kk in (k, ramp):
+    pairs = [(k, dict(softcap=50.0)), (ramp, dict(softcap=50.0))]
+    if lazy_alibi:
+        pairs += [(k, dict(alibi_slopes=steep)), (ramp, dict(softcap=30.0, alibi_slopes=steep))]
+    for kk, kw in pairs:
         qd, kd, vd = (dev(x, dtype) for x in (q, kk, v))
-        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
+        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, **kw)]
         with monkeypatch.context() as m:
             m.setattr(fs.kernels, "cap_only", lambda *a: False)
-            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=50.0)]
+            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, **kw)]
         assert not np.array_equal(own[0], online[0])
         np.testing.assert_allclose(own[0], online[0], atol=4 * eps * np.abs(v).max())
+        np.testing.assert_allclose(own[1], online[1], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("d", (64, 128, 200, 256))
+def test_the_cp_async_forwards_bfloat16_softcap_runs_its_own_instance(monkeypatch, d):
+    """flash2_fwd_wg (FLASHSIM_TMA=0 at d ≤ 128; above, always) runs a bfloat16 softcap
+    ≤ 54.4, with ALiBi or without, in its softcap instance under the fixed max
+    (kernels.wg_fixed: every D but 64, which keeps the online VAR instance, as do a
+    softcap past 54.4 and float16): against the simulator's twin under that rule (traffic
+    exactly), causal, a window, Nq ≠ Nk, steep and negative slopes; and O a few roundings
+    of P from the online instance's, L a few float roundings."""
+    from flashsim.gpu import flash2
+    seen = []
+    real = flash2.dev.kernel
+    monkeypatch.setattr(flash2.dev, "kernel", lambda name, dtype, count_io, D=None, variant=False,
+                        varlen=False: (seen.append((name, dtype, variant)),
+                                       real(name, dtype, count_io, D, variant, varlen))[1])
+    monkeypatch.setenv("FLASHSIM_TMA", "0")
+    D = fs.kernels.instance_dim("wg", d, d)
+    rng = np.random.default_rng(d + 1)
+    rnd = make_precision("kernel", "bfloat16").io_round
+    q = rnd(rng.standard_normal((2, 4, 333, d)) * 3).astype(np.float64)
+    k = rnd(rng.standard_normal((2, 2, 200, d)) * 3).astype(np.float64)
+    v = rnd(rng.standard_normal((2, 2, 200, d))).astype(np.float64)
+    steep = rng.uniform(0.2, 1.0, 4)
+    for c, kw in ((50.0, dict()), (30.0, dict(causal=True, alibi_slopes=steep)),
+                  (5.0, dict(window=(70, 3), alibi_slopes=-steep / 10)),
+                  (54.0, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)))), (60.0, dict()),
+                  (None, dict(alibi_slopes=steep))):
+        variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
+        seen.clear()
+        check_variants_forward(q, k, v, "bfloat16", None, variants)
+        own = c is not None and c <= 54.4 and fs.kernels.wg_fixed("bfloat16", D)
+        assert seen[-1] == ("flash2_fwd_wg", "bfloat16", fs.kernels.CAP_ONLY if own else True), (c, kw)
+        qd, kd, vd = (dev(x, "bfloat16") for x in (q, k, v))
+        assert fs.gpu.softmax_max(qd, vd, softcap=c, alibi_slopes=kw.get("alibi_slopes")) == \
+            ("fixed" if own else "online")
+    f16 = [dev(x, "float16") for x in (q, k, v)]
+    seen.clear()
+    fs.gpu.attention(*f16, softcap=30.0)
+    assert seen[-1] == ("flash2_fwd_wg", "float16", True)
+    if fs.kernels.wg_fixed("bfloat16", D):                # the two instances: a few roundings
+        qd, kd, vd = (dev(x, "bfloat16") for x in (q, k, v))
+        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=30.0, alibi_slopes=steep)]
+        with monkeypatch.context() as m:
+            m.setattr(fs.kernels, "cap_only", lambda *a: False)
+            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=30.0, alibi_slopes=steep)]
+        assert seen[-2:] == [("flash2_fwd_wg", "bfloat16", fs.kernels.CAP_ONLY),
+                             ("flash2_fwd_wg", "bfloat16", True)]
+        assert not np.array_equal(own[0], online[0])
+        np.testing.assert_allclose(own[0], online[0], atol=4 * 2.0**-8 * np.abs(v).max())
         np.testing.assert_allclose(own[1], online[1], rtol=1e-6, atol=1e-5)
 
 
@@ -897,10 +959,10 @@ def test_the_tma_forward_walks_many_tiles_per_cta(monkeypatch, d, kw):
     tiles = fs.kernels.ws_blocks(d, var)
     monkeypatch.setenv("FLASHSIM_TMA", "1")
     assert fs.gpu.block_sizes(qd, vd, **{x: y for x, y in kw.items() if x != "causal"}) == tiles
-    # the same keys a tile and the same softmax (a softcap alone runs under a lazy max,
-    # kernels.cap_only): the same bits
+    # the same keys a tile and the same softmax (a softcap, and ALiBi at d = 128, run
+    # under a lazy max, kernels.cap_only): the same bits
     same = (tiles[1] == fs.kernels.WG_BLOCKS[d][1]
-            and not fs.kernels.cap_only("float16", kw.get("softcap"), kw.get("alibi_slopes")))
+            and not fs.kernels.cap_only("float16", kw.get("softcap"), kw.get("alibi_slopes"), d))
     if same:
         for a, b in zip(ws + ws_io[:2], wg + wg_io[:2]):
             assert np.array_equal(host(a), host(b))

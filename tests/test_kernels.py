@@ -65,13 +65,14 @@ def test_every_kernel_compiles_without_spills(arch):
     # backward's pre-pass × 2 dtypes × 3 head dims (64, 128, 256), the forward × 2 × 8 head
     # dims (32, 64, …, 256) and the backward's 2 kernels × 2 × 7 (all but 224), each plain,
     # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
-    # forward × 2 dtypes × 8 head dims, the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
+    # forward × 2 dtypes × 8 head dims, and its softcap alone in bfloat16 at 7 (all but 64,
+    # kernels.WG_FIXED_HEAD_DIMS), the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
     # TMA (sm_90a only): d = 64, 96, 128 × 2, plain, softcap/ALiBi and the softcap alone
     # (kernels.CAP_ONLY), and its backward's 2
     # kernels at d = 64, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
     # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
-                                 + (48 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (48 + 7 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -248,23 +249,40 @@ def test_the_copy_engine_forward_runs_where_its_tiles_keep_the_bits():
 def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
     """kernels.cap_only: a softcap runs flash2_fwd_ws's CAP_ONLY instance, in float16 at
     any softcap without ALiBi (a lazy max) and in bfloat16, with ALiBi or without, where
-    its fixed max leaves every P ≤ 2^CAP_HEADROOM (softcap ≤ 54.4); ALiBi in float16, no
-    softcap, or other dtypes do not."""
+    its fixed max leaves every P ≤ 2^CAP_HEADROOM (softcap ≤ 54.4); ALiBi in float16,
+    with a softcap or without, runs there (lazily, the diagonal key tile first) at the
+    instances whose tiles are square (96, 128), not at 64 (192 × 64) or unnamed; no
+    softcap in bfloat16, or other dtypes, do not."""
     cap_only = kernels.cap_only
     assert cap_only("bfloat16", 30.0, None) and cap_only("bfloat16", 54.4, None)
     assert not cap_only("bfloat16", 54.5, None)
     assert cap_only("float16", 0.5, None) and cap_only("float16", 1e4, None)
     for dtype in ("float16", "bfloat16"):
-        assert not cap_only(dtype, None, None) and not cap_only(dtype, None, [0.1, 0.2])
-    assert not cap_only("float16", 30.0, [0.1, 0.2])
+        assert not cap_only(dtype, None, None) and not cap_only(dtype, None, None, 128)
+    assert not cap_only("bfloat16", None, [0.1, 0.2]) and not cap_only("bfloat16", None, [0.1], 128)
+    assert not cap_only("float16", 30.0, [0.1, 0.2]) and not cap_only("float16", None, [0.1, 0.2])
+    for D in (96, 128):
+        assert kernels.diagonal_first(D)
+        assert cap_only("float16", 30.0, [0.1, 0.2], D) and cap_only("float16", None, [0.1], D)
+    assert not kernels.diagonal_first(64) and not kernels.diagonal_first(256)
+    assert not cap_only("float16", 30.0, [0.1, 0.2], 64) and not cap_only("float16", None, [0.1], 64)
+    assert kernels.ws_blocks(64, True)[0] != kernels.ws_blocks(64, True)[1]
     assert cap_only("bfloat16", 30.0, [0.1, -0.2]) and not cap_only("bfloat16", 54.5, [0.1])
-    assert not cap_only("float32", 30.0, None)
+    assert not cap_only("float32", 30.0, None) and not cap_only("float32", 30.0, [0.1], 128)
     # the bound: 2C − 125 ≤ CAP_HEADROOM at c = 54.4, C = c·log2 e
     import math
     assert 2 * 54.4 * math.log2(math.e) - 125 <= kernels.CAP_HEADROOM < 2 * 54.5 * math.log2(math.e) - 125
     D_of = {(i.dtype, i.D) for i in kernels.instances("flash2_ws.cu")
             if i.kernel == "flash2_fwd_ws" and i.variant == kernels.CAP_ONLY}
     assert D_of == {(t, D) for t in ("float16", "bfloat16") for D in kernels.WS_HEAD_DIMS}
+    # the cp.async forward's: bfloat16 (the fixed max) at every D but 64, no varlen one
+    wg = [i for i in kernels.instances("flash2_wg.cu")
+          if i.kernel == "flash2_fwd_wg" and i.variant == kernels.CAP_ONLY]
+    assert {(i.dtype, i.D) for i in wg} == {("bfloat16", D) for D in kernels.WG_FIXED_HEAD_DIMS}
+    assert not any(i.varlen for i in wg) and 64 not in kernels.WG_FIXED_HEAD_DIMS
+    assert set(kernels.WG_FIXED_HEAD_DIMS) == set(kernels.WG_HEAD_DIMS) - {64}
+    assert all(kernels.wg_fixed("bfloat16", D) != (D == 64) for D in kernels.WG_HEAD_DIMS)
+    assert not any(kernels.wg_fixed("float16", D) for D in kernels.WG_HEAD_DIMS)
 
 
 def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit_l2():

@@ -121,6 +121,97 @@ def test_the_fixed_rule_with_alibi_rounds_within_a_few_of_p(kw):
         np.testing.assert_allclose(ruled.lse[fin], exact.lse[fin], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kw", VARIANTS + [dict(window=(-1, 5))])
+@pytest.mark.parametrize("slopes", SLOPES, ids=["steep", "flat", "negative", "per-batch"])
+@pytest.mark.parametrize("Nq, Nk", [(333, 200), (200, 333)])
+@pytest.mark.parametrize("softcap", [30.0, None])
+def test_the_lazy_rule_with_alibi_is_the_same_attention_and_traffic(kw, slopes, Nq, Nk, softcap):
+    """With ALiBi the lazy rule visits each Q tile's diagonal key tile first
+    (key_order): in float64 the online rule's O and L and the same bytes, with a softcap
+    or without, for steep, flat, negative and per-batch slopes, Nq ≠ Nk both ways,
+    causal, windows, rows that see no key."""
+    q, k, v = _inputs(7, Nq=Nq, Nk=Nk)
+    common = dict(block_sizes=(64, 64), softcap=softcap, alibi_slopes=slopes,
+                  io_dtype="float16", **kw)
+    online = fs.simulate(q, k, v, **common)
+    lazy = fs.simulate(q, k, v, softmax_max="lazy", **common)
+    assert lazy.traffic == online.traffic
+    fin = np.isfinite(online.lse)
+    assert np.array_equal(np.isfinite(lazy.lse), fin)
+    assert (lazy.out[~fin] == 0).all()
+    np.testing.assert_allclose(lazy.out, online.out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lazy.lse[fin], online.lse[fin], rtol=1e-14, atol=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 6), st.integers(0, 2000), st.integers(1, 256),
+       st.integers(-600, 600), st.sampled_from([16, 64, 128]))
+def test_the_lazy_rules_order_takes_the_diagonal_key_tile_first(jf, n, i0, rows, off, Bc):
+    """key_order: every tile j_first … j_last once; without ALiBi in key order; with it,
+    first the tile of the middle row's diagonal key (r + off), clamped to the tiles the
+    Q tile visits, then the others in key order."""
+    jl = jf + n
+    assert running_max.key_order(jf, jl, i0, rows, off, Bc, False) == list(range(jf, jl + 1))
+    order = running_max.key_order(jf, jl, i0, rows, off, Bc, True)
+    assert sorted(order) == list(range(jf, jl + 1))
+    assert order[1:] == sorted(order[1:])
+    key = i0 + rows // 2 + off
+    if key < jf * Bc:
+        assert order[0] == jf
+    elif key >= (jl + 1) * Bc:
+        assert order[0] == jl
+    else:
+        assert order[0] * Bc <= key < (order[0] + 1) * Bc
+    assert running_max.key_order(3, 2, i0, rows, off, Bc, True) == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_with_alibi_the_diagonal_tile_first_keeps_the_lazy_max_still(causal):
+    """Why the order (NOTES v69): ALiBi's logits rise along a row towards its diagonal
+    key, so in key order the lazy rule moves m at many steps (at ~24% of warp-steps here,
+    ~47% causal: each such step runs its exponentials twice); from the diagonal tile,
+    which holds each row's largest biases, at none. 16 heads with the standard slopes
+    2^(−8h/16), softcap 30, N = 512, 128 × 128 tiles."""
+    rng = np.random.default_rng(0)
+    H, N, d, B = 16, 512, 64, 128
+    slopes = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    q, k = rng.standard_normal((2, H, N, d))
+    S_all = 30 * np.tanh((q @ k.transpose(0, 2, 1)) / np.sqrt(d) / 30)
+    S_all = S_all - slopes[:, None, None] * np.abs(np.arange(N)[:, None] - np.arange(N)[None])
+    if causal:
+        S_all = np.where(np.arange(N)[None, :] <= np.arange(N)[:, None], S_all, -np.inf)
+    moved = {}
+    for diagonal in (False, True):
+        moved[diagonal] = steps = 0
+        for i in range(N // B):
+            order = running_max.key_order(0, i if causal else N // B - 1, i * B, B, 0, B, diagonal)
+            m = S_all[:, i * B:(i + 1) * B, order[0] * B:(order[0] + 1) * B].max(-1)
+            for j in order[1:]:
+                _, _, m_new = running_max.lazy_step(S_all[:, i * B:(i + 1) * B, j * B:(j + 1) * B], m)
+                moved[diagonal] += (m_new != m).reshape(H, -1, running_max.WARP_ROWS).any(-1).sum()
+                steps += H * B // running_max.WARP_ROWS
+                m = m_new
+        moved[diagonal] /= steps
+    assert moved[True] == 0 and moved[False] > 0.2, moved
+
+
+@pytest.mark.parametrize("kw", VARIANTS[:3])
+def test_the_lazy_rule_with_alibi_rounds_within_a_few_of_p(kw):
+    """In float16 kernel precision the lazy rule with ALiBi (the diagonal key tile
+    first) keeps O within a few roundings of P of the exact one, and L within a few of
+    fp32's."""
+    q, k, v = _inputs(8, dtype="float16")
+    for slopes in SLOPES[:3]:
+        for softcap in (30.0, None):
+            common = dict(block_sizes=(64, 64), softcap=softcap, alibi_slopes=slopes,
+                          io_dtype="float16", **kw)
+            exact = fs.simulate(q, k, v, **common)
+            ruled = fs.simulate(q, k, v, precision="kernel", softmax_max="lazy", **common)
+            assert np.abs(ruled.out - exact.out).max() <= 4 * 2.0**-11 * np.abs(v).max()
+            fin = np.isfinite(exact.lse)   # (|L| up to ~60 with the biases: fp32's ulps)
+            np.testing.assert_allclose(ruled.lse[fin], exact.lse[fin], rtol=1e-6, atol=1e-5)
+
+
 def test_a_row_of_one_key_gives_v_under_the_online_max_alone():
     """One key: the online rule's P = 1 gives O = V exactly; the fixed one's P is
     2^(x − m) rounded to bfloat16, over ℓ in fp32, a rounding away (as measured on the
@@ -212,11 +303,12 @@ def test_a_rule_that_cannot_run_is_refused(kwargs, says):
 
 
 def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
-    """fs.gpu.softmax_max: "lazy" (float16, a softcap without ALiBi) and "fixed" (bfloat16,
-    a softcap with ALiBi or without) where the Hopper forward fed by the copy engine runs,
-    "online" elsewhere: no softcap, ALiBi in float16, bfloat16 past softcap 54.4,
-    FLASHSIM_TMA=0, another rung, a head dim the copy engine's forward has no instance
-    for."""
+    """fs.gpu.softmax_max: "lazy" (float16: a softcap, or ALiBi at d = 128) and "fixed"
+    (bfloat16, a softcap with ALiBi or without) where the Hopper forward fed by the copy
+    engine runs, "fixed" in bfloat16 where the cp.async one does (FLASHSIM_TMA=0, d =
+    256; not d = 64), "online" elsewhere: no variant, ALiBi in float16 at d = 64,
+    bfloat16 past softcap 54.4 or without one, float16 with FLASHSIM_TMA=0 or at d = 256,
+    another rung."""
     from flashsim.gpu import flash2
     rung = ["wg"]
     monkeypatch.setattr(flash2, "_choose", lambda *a, **kw: rung[0])
@@ -227,7 +319,13 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(q, q, softcap=30.0) == "lazy"
         assert rule(q, q, softcap=30.0, window=(70, 3)) == "lazy"
         assert rule(q, q) == "online" and rule(q, q, window=(8, 0)) == "online"
-        assert rule(q, q, softcap=30.0, alibi_slopes=np.full(2, 0.1, np.float32)) == "online"
+        sl = np.full(2, 0.1, np.float32)
+        assert rule(q, q, softcap=30.0, alibi_slopes=sl) == "lazy"
+        assert rule(q, q, alibi_slopes=sl, window=(70, 0)) == "lazy"
+        q64 = np.zeros((1, 2, 256, 64), np.float16)
+        assert rule(q64, q64, softcap=30.0) == "lazy"
+        assert rule(q64, q64, softcap=30.0, alibi_slopes=sl) == "online"
+        assert rule(q64, q64, alibi_slopes=sl) == "online"
         h = np.zeros((1, 2, 256, 256), np.float16)
         assert rule(h, h, softcap=30.0) == "online"          # D = 256: flash2_fwd_wg
         monkeypatch.setenv("FLASHSIM_TMA", "0")
@@ -245,13 +343,23 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(b, b, softcap=50.0, alibi_slopes=slopes) == "fixed"
         assert rule(b, b, softcap=60.0, alibi_slopes=slopes) == "online"
         assert rule(b, b, alibi_slopes=slopes) == "online"
+        # the cp.async forward's softcap instance (kernels.wg_fixed): bfloat16 but at D = 64
+        b256 = torch.zeros((1, 2, 256, 256), dtype=torch.bfloat16)
+        assert rule(b256, b256, softcap=50.0, alibi_slopes=slopes) == "fixed"
+        assert rule(b256, b256, softcap=60.0) == "online"
+        monkeypatch.setenv("FLASHSIM_TMA", "0")
+        assert rule(b, b, softcap=50.0) == "fixed"
+        b64 = torch.zeros((1, 2, 256, 64), dtype=torch.bfloat16)
+        assert rule(b64, b64, softcap=50.0) == "online"
+        monkeypatch.delenv("FLASHSIM_TMA")
+        assert rule(b64, b64, softcap=50.0) == "fixed"       # the copy engine's instance
 
 
 def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     """softmax_max="auto" with hardware=: the copy-engine forward's softcap instance on a
-    Hopper GPU runs "fixed" in bfloat16 (with ALiBi or without) and "lazy" in float16;
-    ALiBi in float16, no softcap, an Ampere GPU or the other rungs run "online". Without
-    hardware, "auto" is refused."""
+    Hopper GPU runs "fixed" in bfloat16 (with ALiBi or without) and "lazy" in float16
+    (with ALiBi at d = 128 only); ALiBi in float16 at d = 64, no variant, an Ampere GPU
+    or the other rungs run "online". Without hardware, "auto" is refused."""
     from flashsim import hierarchy
     from flashsim.problem import Shape
     shape = Shape(200, 200, 64, 64, (1,), (2,), (2,), 2)
@@ -260,6 +368,14 @@ def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     assert rule(shape, "float16", "H100", softcap=30.0) == "lazy"
     assert rule(shape, "bfloat16", "H100", softcap=60.0) == "online"
     assert rule(shape, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "online"
+    big = Shape(200, 200, 256, 256, (1,), (2,), (2,), 2)      # flash2_fwd_wg's instance
+    assert rule(big, "bfloat16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
+    assert rule(big, "float16", "H100", softcap=30.0) == "online"
+    wide = Shape(200, 200, 128, 128, (1,), (2,), (2,), 2)
+    assert rule(wide, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "lazy"
+    assert rule(wide, "float16", "H100", alibi_slopes=np.ones(2)) == "lazy"
+    assert rule(wide, "float16", "H100", alibi_slopes=np.ones(2), launch="tc") == "online"
+    assert rule(wide, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "online"
     assert rule(shape, "bfloat16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
     assert rule(shape, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "online"
     assert rule(shape, "float16", "H100") == "online"

@@ -207,20 +207,24 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
                 alibi_slopes=None) -> str:
     """The rule for the softmax's m (`flashsim.running_max`) that `attention` runs these
     inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
-    (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap without ALiBi)
-    where the Hopper forward fed by the copy engine runs its softcap instance
-    (flashsim.kernels.cap_only), else "online"."""
+    (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap, or ALiBi at
+    head dims up to 128 but above 64) where the Hopper forward fed by the copy engine runs
+    its softcap instance (flashsim.kernels.cap_only), "fixed" in bfloat16 where the
+    cp.async one runs its own (kernels.wg_fixed: head dims but 33–64), else "online"."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
     shape = Shape(qi.shape[-2], vi.shape[-2], qi.shape[-1], vi.shape[-1], (), (), (), 1)
     var = softcap is not None or alibi_slopes is not None
-    if not (var and K.cap_only(qi.dtype, softcap, alibi_slopes)):
+    if not var:
         return "online"
     which = _choose(kernel, shape, qi.dtype, None, variant=_asked(window, softcap, alibi_slopes),
                     var=var)
-    if which != "wg" or _ws_tiles(shape, _instance(shape, which, False), var=var) is None:
+    D = _instance(shape, which, False) if which == "wg" else None
+    if which != "wg" or not K.cap_only(qi.dtype, softcap, alibi_slopes, D):
         return "online"
+    if _ws_tiles(shape, D, var=var) is None and not K.wg_fixed(qi.dtype, D):
+        return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if qi.dtype == "bfloat16" else "lazy"
 
 
@@ -248,8 +252,9 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     ``alibi_slopes`` ((heads,) or (batch, heads), fp32), on every rung (the fast rungs
     run softcap and ALiBi in their own template instances, so plain attention pays
     nothing for them; a softcap runs the Hopper forward under a fixed softmax max in
-    bfloat16, with ALiBi or without, and a lazy one in float16 without ALiBi,
-    flashsim.kernels.cap_only).
+    bfloat16, with ALiBi or without (on the cp.async forward too, but at 32 < d ≤ 64:
+    flashsim.kernels.wg_fixed), and a lazy one in float16, as does ALiBi in float16 at
+    64 < d ≤ 128, each Q tile's diagonal key tile first: flashsim.kernels.cap_only).
 
     ``algorithm``: "flash2" (default), or the paper's other two schedules on the
     reference rung, "flash1" (FlashAttention-1: K/V outer, O, ℓ, m through HBM at every
@@ -286,8 +291,9 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                                                       softcap, alibi_slopes)
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
+    D = _instance(shape, which) if which in ("tc", "wg") else None
     # flash2_fwd_ws's instance: the VAR one, or the softcap's (kernels.cap_only)
-    ws_var = K.CAP_ONLY if var and K.cap_only(dtype, softcap, alibi_slopes) else var
+    ws_var = K.CAP_ONLY if var and which == "wg" and K.cap_only(dtype, softcap, alibi_slopes, D) else var
     P, Nq = shape.problems, shape.Nq
     # O laid out as q is (q read through its strides: no copies of (B, N, H, d) inputs)
     O = arrays.empty(cp, shape.batch_shape + (Nq, shape.dv), arrays.storage(cp, dtype),
@@ -300,7 +306,6 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     lds = tuple(ld[t] for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V, arrays.AT_O))
     io = dev.counters(cp, count_io)
     i32 = np.int32
-    D = _instance(shape, which) if which in ("tc", "wg") else None
     ws_tiles = _ws_tiles(shape, D, block_sizes, var) if which == "wg" else None
     ws = _ws_forward(cp, shape, dtype, count_io, ws_var, cols, ld) if ws_tiles else None
     if ws is None and ws_tiles and ws_tiles != K.WG_BLOCKS[D]:
@@ -326,6 +331,9 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
         var = var or K.padded(shape.d, shape.dv, D)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
+            if (softcap is not None and K.wg_fixed(dtype, D)
+                    and K.cap_only(dtype, softcap, alibi_slopes, D)):
+                var = K.CAP_ONLY         # its softcap instance: the fixed max
         else:
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, var)
         if block_sizes is not None and tuple(block_sizes) != (Br, Bc):
