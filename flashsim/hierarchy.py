@@ -382,7 +382,7 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
     kernel ``launch`` runs on ``hardware``: the copy-engine forward's softcap instance
     (kernels.cap_only: a softcap, with ALiBi or without, in bfloat16; a softcap or ALiBi
     in float16, ALiBi at kernels.diagonal_first's D) runs "fixed" in bfloat16 and "lazy"
-    in float16, as does the cp.async forward's in bfloat16 (kernels.wg_fixed); every other
+    in float16, as does the cp.async forward's (kernels.wg_cap); every other
     launch "online" (`flashsim.gpu.softmax_max` on a real device)."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
@@ -393,7 +393,7 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
     if choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) != "wg":
         return "online"
     if not (_copy_engine_forward(shape, block_sizes, False, variant)
-            or (softcap is not None and K.wg_fixed(dtype, D))):
+            or K.wg_cap(dtype, D)):
         return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if dtype == "bfloat16" else "lazy"
 

@@ -174,12 +174,15 @@ WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 160: (64, 64), 
                  224: (64, 64), 256: (64, 64)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
-# flash2_fwd_wg's softcap instance (``variant`` = CAP_ONLY, bfloat16, not varlen): a
-# softcap ≤ 54.4, with ALiBi or without, under flash2_fwd_ws's fixed max (cap_only; NOTES
-# v68), at every D but 64, whose 128 registers (two CTAs per SM) spill with it; as do the
-# varlen instances, which keep the online max (and so a varlen batch's bits stay each
-# sequence's under the online max)
+# flash2_fwd_wg's softcap instance (``variant`` = CAP_ONLY, not varlen; cap_only says which
+# launches): flash2_fwd_ws's rules for m. In bfloat16 (a softcap ≤ 54.4, with ALiBi or
+# without) the fixed max (NOTES v68), at every D but 64, whose 128 registers (two CTAs per
+# SM) spill with it; in float16 (a softcap; ALiBi at diagonal_first's D, whose tiles are
+# square here too) the lazy max, each Q tile's diagonal key tile first with ALiBi (v70), at
+# every D. The varlen instances keep the online max (D = 128's spills 8 bytes with the
+# fixed one), so that a varlen batch and its sequences' dense calls share one rule.
 WG_FIXED_HEAD_DIMS = (32, 96, 128, 160, 192, 224, 256)
+WG_LAZY_HEAD_DIMS = WG_HEAD_DIMS
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
 # address (flashsim/gpu/_tma.py) at D ∈ WS_HEAD_DIMS (head dims below D too: the copy
 # engine zero-fills the columns past them, NOTES v30): a producer warpgroup
@@ -347,10 +350,11 @@ def cap_only(dtype: str, softcap, alibi_slopes, D: int | None = None) -> bool:
     return D is not None and diagonal_first(D)
 
 
-def wg_fixed(dtype: str, D: int) -> bool:
-    """flash2_fwd_wg has a softcap instance (CAP_ONLY, the fixed max) for this dtype and D
-    (bfloat16, D ∈ WG_FIXED_HEAD_DIMS); where cap_only holds, dense launches run it."""
-    return dtype == "bfloat16" and D in WG_FIXED_HEAD_DIMS
+def wg_cap(dtype: str, D: int) -> bool:
+    """flash2_fwd_wg has a softcap instance (CAP_ONLY) for this dtype and D: bfloat16 (the
+    fixed max) at D ∈ WG_FIXED_HEAD_DIMS, float16 (the lazy max) at D ∈ WG_LAZY_HEAD_DIMS;
+    where cap_only holds, its dense launches run it."""
+    return D in {"bfloat16": WG_FIXED_HEAD_DIMS, "float16": WG_LAZY_HEAD_DIMS}.get(dtype, ())
 
 
 def diagonal_first(D: int) -> bool:
@@ -647,7 +651,7 @@ def instances(source: str | None = None) -> list[Instance]:
                         for var, vl in VARIANT_FLAGS:
                             if k == "flash2_fwd_wg":    # <T, D, VAR, VL, CAP_ONLY>
                                 kinds = [(var, False)] + ([(CAP_ONLY, True)] if var and not vl
-                                                          and wg_fixed(dt, D) else [])
+                                                          and wg_cap(dt, D) else [])
                                 out.extend(Instance(
                                     src, k, dt, D,
                                     f"{k}<{T}, {D}, {str(bool(v)).lower()}, {str(vl).lower()}, "

@@ -763,14 +763,17 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
 
 
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 @pytest.mark.parametrize("d", (64, 128, 200, 256))
-def test_the_cp_async_forwards_bfloat16_softcap_runs_its_own_instance(monkeypatch, d):
-    """flash2_fwd_wg (FLASHSIM_TMA=0 at d ≤ 128; above, always) runs a bfloat16 softcap
-    ≤ 54.4, with ALiBi or without, in its softcap instance under the fixed max
-    (kernels.wg_fixed: every D but 64, which keeps the online VAR instance, as do a
-    softcap past 54.4 and float16): against the simulator's twin under that rule (traffic
-    exactly), causal, a window, Nq ≠ Nk, steep and negative slopes; and O a few roundings
-    of P from the online instance's, L a few float roundings."""
+def test_the_cp_async_forwards_softcap_runs_its_own_instance(monkeypatch, dtype, d):
+    """flash2_fwd_wg (FLASHSIM_TMA=0 at d ≤ 128; above, always) runs its softcap instance
+    (kernels.wg_cap) where kernels.cap_only says: in bfloat16 a softcap ≤ 54.4, with ALiBi
+    or without, under the fixed max (every D but 64, which keeps the online VAR instance);
+    in float16 a softcap, or ALiBi at d = 128 (square tiles: each Q tile's diagonal key
+    tile first), under the lazy max. Against the simulator's twin under that rule (traffic
+    exactly): causal, a window, Nq ≠ Nk, steep, negative and per-batch slopes, keys whose
+    logits grow along the row; and O a few roundings of P from the online instance's, L a
+    few float roundings."""
     from flashsim.gpu import flash2
     seen = []
     real = flash2.dev.kernel
@@ -780,37 +783,38 @@ def test_the_cp_async_forwards_bfloat16_softcap_runs_its_own_instance(monkeypatc
     monkeypatch.setenv("FLASHSIM_TMA", "0")
     D = fs.kernels.instance_dim("wg", d, d)
     rng = np.random.default_rng(d + 1)
-    rnd = make_precision("kernel", "bfloat16").io_round
+    rnd = make_precision("kernel", dtype).io_round
     q = rnd(rng.standard_normal((2, 4, 333, d)) * 3).astype(np.float64)
     k = rnd(rng.standard_normal((2, 2, 200, d)) * 3).astype(np.float64)
     v = rnd(rng.standard_normal((2, 2, 200, d))).astype(np.float64)
+    ramp = rnd(k * np.linspace(0.2, 2, 200)[:, None])      # later keys, larger logits
     steep = rng.uniform(0.2, 1.0, 4)
-    for c, kw in ((50.0, dict()), (30.0, dict(causal=True, alibi_slopes=steep)),
-                  (5.0, dict(window=(70, 3), alibi_slopes=-steep / 10)),
-                  (54.0, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)))), (60.0, dict()),
-                  (None, dict(alibi_slopes=steep))):
+    for c, kk, kw in ((50.0, k, dict()), (30.0, k, dict(causal=True, alibi_slopes=steep)),
+                      (5.0, k, dict(window=(70, 3), alibi_slopes=-steep / 10)),
+                      (54.0, ramp, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)))),
+                      (60.0, ramp, dict(causal=True)), (None, k, dict(alibi_slopes=steep)),
+                      (None, ramp, dict(alibi_slopes=steep, causal=True))):
         variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
         seen.clear()
-        check_variants_forward(q, k, v, "bfloat16", None, variants)
-        own = c is not None and c <= 54.4 and fs.kernels.wg_fixed("bfloat16", D)
-        assert seen[-1] == ("flash2_fwd_wg", "bfloat16", fs.kernels.CAP_ONLY if own else True), (c, kw)
-        qd, kd, vd = (dev(x, "bfloat16") for x in (q, k, v))
+        check_variants_forward(q, kk, v, dtype, None, variants)
+        own = fs.kernels.wg_cap(dtype, D) and fs.kernels.cap_only(dtype, c, kw.get("alibi_slopes"), D)
+        assert seen[-1] == ("flash2_fwd_wg", dtype, fs.kernels.CAP_ONLY if own else True), (c, kw)
+        qd, vd = dev(q, dtype), dev(v, dtype)
         assert fs.gpu.softmax_max(qd, vd, softcap=c, alibi_slopes=kw.get("alibi_slopes")) == \
-            ("fixed" if own else "online")
-    f16 = [dev(x, "float16") for x in (q, k, v)]
-    seen.clear()
-    fs.gpu.attention(*f16, softcap=30.0)
-    assert seen[-1] == ("flash2_fwd_wg", "float16", True)
-    if fs.kernels.wg_fixed("bfloat16", D):                # the two instances: a few roundings
-        qd, kd, vd = (dev(x, "bfloat16") for x in (q, k, v))
-        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=30.0, alibi_slopes=steep)]
+            (("fixed" if dtype == "bfloat16" else "lazy") if own else "online")
+    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
+    for kw in (dict(softcap=30.0, alibi_slopes=steep), dict(softcap=30.0)):
+        if not (fs.kernels.wg_cap(dtype, D) and fs.kernels.cap_only(dtype, 30.0, kw.get("alibi_slopes"), D)):
+            continue                                       # the two instances: a few roundings
+        qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, **kw)]
         with monkeypatch.context() as m:
             m.setattr(fs.kernels, "cap_only", lambda *a: False)
-            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, softcap=30.0, alibi_slopes=steep)]
-        assert seen[-2:] == [("flash2_fwd_wg", "bfloat16", fs.kernels.CAP_ONLY),
-                             ("flash2_fwd_wg", "bfloat16", True)]
+            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, **kw)]
+        assert seen[-2:] == [("flash2_fwd_wg", dtype, fs.kernels.CAP_ONLY),
+                             ("flash2_fwd_wg", dtype, True)]
         assert not np.array_equal(own[0], online[0])
-        np.testing.assert_allclose(own[0], online[0], atol=4 * 2.0**-8 * np.abs(v).max())
+        np.testing.assert_allclose(own[0], online[0], atol=4 * eps * np.abs(v).max())
         np.testing.assert_allclose(own[1], online[1], rtol=1e-6, atol=1e-5)
 
 

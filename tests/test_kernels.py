@@ -66,13 +66,13 @@ def test_every_kernel_compiles_without_spills(arch):
     # dims (32, 64, …, 256) and the backward's 2 kernels × 2 × 7 (all but 224), each plain,
     # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
     # forward × 2 dtypes × 8 head dims, and its softcap alone in bfloat16 at 7 (all but 64,
-    # kernels.WG_FIXED_HEAD_DIMS), the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
+    # kernels.WG_FIXED_HEAD_DIMS) and float16 at 8 (WG_LAZY_HEAD_DIMS), the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
     # TMA (sm_90a only): d = 64, 96, 128 × 2, plain, softcap/ALiBi and the softcap alone
     # (kernels.CAP_ONLY), and its backward's 2
     # kernels at d = 64, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
     # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
-                                 + (48 + 7 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (48 + 15 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -275,14 +275,21 @@ def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
     D_of = {(i.dtype, i.D) for i in kernels.instances("flash2_ws.cu")
             if i.kernel == "flash2_fwd_ws" and i.variant == kernels.CAP_ONLY}
     assert D_of == {(t, D) for t in ("float16", "bfloat16") for D in kernels.WS_HEAD_DIMS}
-    # the cp.async forward's: bfloat16 (the fixed max) at every D but 64, no varlen one
+    # the cp.async forward's: bfloat16 (the fixed max) at every D but 64, float16 (the lazy
+    # one) at every D, no varlen one; ALiBi's diagonal key tile first where its tiles are
+    # square too
     wg = [i for i in kernels.instances("flash2_wg.cu")
           if i.kernel == "flash2_fwd_wg" and i.variant == kernels.CAP_ONLY]
-    assert {(i.dtype, i.D) for i in wg} == {("bfloat16", D) for D in kernels.WG_FIXED_HEAD_DIMS}
+    assert {(i.dtype, i.D) for i in wg} == (
+        {("bfloat16", D) for D in kernels.WG_FIXED_HEAD_DIMS}
+        | {("float16", D) for D in kernels.WG_HEAD_DIMS})
     assert not any(i.varlen for i in wg) and 64 not in kernels.WG_FIXED_HEAD_DIMS
     assert set(kernels.WG_FIXED_HEAD_DIMS) == set(kernels.WG_HEAD_DIMS) - {64}
-    assert all(kernels.wg_fixed("bfloat16", D) != (D == 64) for D in kernels.WG_HEAD_DIMS)
-    assert not any(kernels.wg_fixed("float16", D) for D in kernels.WG_HEAD_DIMS)
+    assert all(kernels.wg_cap("bfloat16", D) != (D == 64) for D in kernels.WG_HEAD_DIMS)
+    assert all(kernels.wg_cap("float16", D) for D in kernels.WG_HEAD_DIMS)
+    assert not kernels.wg_cap("float32", 128)
+    assert all(kernels.WG_BLOCKS[D][0] == kernels.WG_BLOCKS[D][1]
+               for D in kernels.WG_HEAD_DIMS if kernels.diagonal_first(D))
 
 
 def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit_l2():

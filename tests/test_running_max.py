@@ -305,10 +305,9 @@ def test_a_rule_that_cannot_run_is_refused(kwargs, says):
 def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
     """fs.gpu.softmax_max: "lazy" (float16: a softcap, or ALiBi at d = 128) and "fixed"
     (bfloat16, a softcap with ALiBi or without) where the Hopper forward fed by the copy
-    engine runs, "fixed" in bfloat16 where the cp.async one does (FLASHSIM_TMA=0, d =
-    256; not d = 64), "online" elsewhere: no variant, ALiBi in float16 at d = 64,
-    bfloat16 past softcap 54.4 or without one, float16 with FLASHSIM_TMA=0 or at d = 256,
-    another rung."""
+    engine runs, and where the cp.async one does (FLASHSIM_TMA=0, d = 256; in bfloat16
+    not at d = 64), "online" elsewhere: no variant, ALiBi in float16 at d = 64 or 256,
+    bfloat16 past softcap 54.4 or without one, another rung."""
     from flashsim.gpu import flash2
     rung = ["wg"]
     monkeypatch.setattr(flash2, "_choose", lambda *a, **kw: rung[0])
@@ -327,9 +326,13 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(q64, q64, softcap=30.0, alibi_slopes=sl) == "online"
         assert rule(q64, q64, alibi_slopes=sl) == "online"
         h = np.zeros((1, 2, 256, 256), np.float16)
-        assert rule(h, h, softcap=30.0) == "online"          # D = 256: flash2_fwd_wg
-        monkeypatch.setenv("FLASHSIM_TMA", "0")
-        assert rule(q, q, softcap=30.0) == "online"
+        assert rule(h, h, softcap=30.0) == "lazy"            # D = 256: flash2_fwd_wg's
+        assert rule(h, h, softcap=30.0, alibi_slopes=sl) == "online"   # (128 × 64 tiles)
+        monkeypatch.setenv("FLASHSIM_TMA", "0")              # flash2_fwd_wg's, as the copy
+        assert rule(q, q, softcap=30.0) == "lazy"            # engine's
+        assert rule(q, q, alibi_slopes=sl) == "lazy"
+        assert rule(q64, q64, softcap=30.0) == "lazy"
+        assert rule(q64, q64, softcap=30.0, alibi_slopes=sl) == "online"
         monkeypatch.delenv("FLASHSIM_TMA")
         rung[0] = "tc"
         assert rule(q, q, softcap=30.0) == "online"
@@ -343,7 +346,7 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(b, b, softcap=50.0, alibi_slopes=slopes) == "fixed"
         assert rule(b, b, softcap=60.0, alibi_slopes=slopes) == "online"
         assert rule(b, b, alibi_slopes=slopes) == "online"
-        # the cp.async forward's softcap instance (kernels.wg_fixed): bfloat16 but at D = 64
+        # the cp.async forward's softcap instance (kernels.wg_cap): bfloat16 but at D = 64
         b256 = torch.zeros((1, 2, 256, 256), dtype=torch.bfloat16)
         assert rule(b256, b256, softcap=50.0, alibi_slopes=slopes) == "fixed"
         assert rule(b256, b256, softcap=60.0) == "online"
@@ -370,7 +373,8 @@ def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     assert rule(shape, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "online"
     big = Shape(200, 200, 256, 256, (1,), (2,), (2,), 2)      # flash2_fwd_wg's instance
     assert rule(big, "bfloat16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
-    assert rule(big, "float16", "H100", softcap=30.0) == "online"
+    assert rule(big, "float16", "H100", softcap=30.0) == "lazy"
+    assert rule(big, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "online"
     wide = Shape(200, 200, 128, 128, (1,), (2,), (2,), 2)
     assert rule(wide, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "lazy"
     assert rule(wide, "float16", "H100", alibi_slopes=np.ones(2)) == "lazy"

@@ -209,8 +209,8 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
     (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap, or ALiBi at
     head dims up to 128 but above 64) where the Hopper forward fed by the copy engine runs
-    its softcap instance (flashsim.kernels.cap_only), "fixed" in bfloat16 where the
-    cp.async one runs its own (kernels.wg_fixed: head dims but 33–64), else "online"."""
+    its softcap instance (flashsim.kernels.cap_only), as where the cp.async one runs its
+    own (kernels.wg_cap: in bfloat16 not at head dims 33–64), else "online"."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
@@ -223,7 +223,7 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     D = _instance(shape, which, False) if which == "wg" else None
     if which != "wg" or not K.cap_only(qi.dtype, softcap, alibi_slopes, D):
         return "online"
-    if _ws_tiles(shape, D, var=var) is None and not K.wg_fixed(qi.dtype, D):
+    if _ws_tiles(shape, D, var=var) is None and not K.wg_cap(qi.dtype, D):
         return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if qi.dtype == "bfloat16" else "lazy"
 
@@ -253,7 +253,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     run softcap and ALiBi in their own template instances, so plain attention pays
     nothing for them; a softcap runs the Hopper forward under a fixed softmax max in
     bfloat16, with ALiBi or without (on the cp.async forward too, but at 32 < d ≤ 64:
-    flashsim.kernels.wg_fixed), and a lazy one in float16, as does ALiBi in float16 at
+    flashsim.kernels.wg_cap), and a lazy one in float16, as does ALiBi in float16 at
     64 < d ≤ 128, each Q tile's diagonal key tile first: flashsim.kernels.cap_only).
 
     ``algorithm``: "flash2" (default), or the paper's other two schedules on the
@@ -328,12 +328,11 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                  float(k_out), 0 if isinstance(sl, np.uint64) else sl.data.ptr, io.data.ptr))
     elif which in ("tc", "wg"):  # one signature: (Q, K, V, at, O, L, Nq, Nk, d, dv, ld…,
         # band, scale); head dims below D in the VAR instance
-        var = var or K.padded(shape.d, shape.dv, D)
+        user_var, var = var, var or K.padded(shape.d, shape.dv, D)
         if which == "wg":
             name, (Br, Bc) = "flash2_fwd_wg", K.WG_BLOCKS[D]
-            if (softcap is not None and K.wg_fixed(dtype, D)
-                    and K.cap_only(dtype, softcap, alibi_slopes, D)):
-                var = K.CAP_ONLY         # its softcap instance: the fixed max
+            if user_var and K.wg_cap(dtype, D) and K.cap_only(dtype, softcap, alibi_slopes, D):
+                var = K.CAP_ONLY         # its softcap instance: the fixed or lazy max
         else:
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, var)
         if block_sizes is not None and tuple(block_sizes) != (Br, Bc):
