@@ -393,7 +393,7 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
     if choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) != "wg":
         return "online"
     if not (_copy_engine_forward(shape, block_sizes, False, variant)
-            or K.wg_cap(dtype, D)):
+            or K.wg_cap(dtype, D, alibi_slopes)):
         return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if dtype == "bfloat16" else "lazy"
 

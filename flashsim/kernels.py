@@ -174,13 +174,15 @@ WG_BWD_BLOCKS = {32: (128, 128), 64: (128, 128), 128: (64, 128), 160: (64, 64), 
                  224: (64, 64), 256: (64, 64)}
 WG_THREADS = 256
 WG_COMPUTE_CAPABILITY = 90
-# flash2_fwd_wg's softcap instance (``variant`` = CAP_ONLY, not varlen; cap_only says which
-# launches): flash2_fwd_ws's rules for m. In bfloat16 (a softcap ≤ 54.4, with ALiBi or
-# without) the fixed max (NOTES v68), at every D but 64, whose 128 registers (two CTAs per
-# SM) spill with it; in float16 (a softcap; ALiBi at diagonal_first's D, whose tiles are
-# square here too) the lazy max, each Q tile's diagonal key tile first with ALiBi (v70), at
-# every D. The varlen instances keep the online max (D = 128's spills 8 bytes with the
-# fixed one), so that a varlen batch and its sequences' dense calls share one rule.
+# flash2_fwd_wg's softcap instance (``variant`` = CAP_ONLY, not varlen; cap_only and wg_cap
+# say which launches): flash2_fwd_ws's rules for m. In bfloat16 (a softcap ≤ 54.4, with
+# ALiBi or without) the fixed max (NOTES v68), at every D but 64, whose 128 registers (two
+# CTAs per SM) spill with it; in float16 (a softcap without ALiBi) the lazy max (v70), at
+# every D. With ALiBi float16 keeps the online VAR instance here: the lazy max with the
+# diagonal key tile first, which pays on flash2_fwd_ws, measured slower on this kernel,
+# whose exponentials then wait for P V (no second warpgroup's turn to hide them). The
+# varlen instances keep the online max (D = 128's spills 8 bytes with the fixed one), so
+# that a varlen batch and its sequences' dense calls share one rule.
 WG_FIXED_HEAD_DIMS = (32, 96, 128, 160, 192, 224, 256)
 WG_LAZY_HEAD_DIMS = WG_HEAD_DIMS
 # Its forward fed by the copy engine (flash2_ws.cu), for inputs whose rows TMA can
@@ -350,11 +352,14 @@ def cap_only(dtype: str, softcap, alibi_slopes, D: int | None = None) -> bool:
     return D is not None and diagonal_first(D)
 
 
-def wg_cap(dtype: str, D: int) -> bool:
-    """flash2_fwd_wg has a softcap instance (CAP_ONLY) for this dtype and D: bfloat16 (the
-    fixed max) at D ∈ WG_FIXED_HEAD_DIMS, float16 (the lazy max) at D ∈ WG_LAZY_HEAD_DIMS;
-    where cap_only holds, its dense launches run it."""
-    return D in {"bfloat16": WG_FIXED_HEAD_DIMS, "float16": WG_LAZY_HEAD_DIMS}.get(dtype, ())
+def wg_cap(dtype: str, D: int, alibi_slopes=None) -> bool:
+    """flash2_fwd_wg has a softcap instance (CAP_ONLY) for this dtype and D, which runs
+    these slopes: bfloat16 (the fixed max, ALiBi or none) at D ∈ WG_FIXED_HEAD_DIMS,
+    float16 (the lazy max) without ALiBi at D ∈ WG_LAZY_HEAD_DIMS; where cap_only holds
+    too, its dense launches run it."""
+    if dtype == "bfloat16":
+        return D in WG_FIXED_HEAD_DIMS
+    return dtype == "float16" and D in WG_LAZY_HEAD_DIMS and alibi_slopes is None
 
 
 def diagonal_first(D: int) -> bool:
@@ -537,8 +542,8 @@ REGISTERS = {
               "flash2_bwd_tc": {32: 242, 64: 255, 96: 255, 128: 255, 160: 220, 192: 250, 256: 251},
               "flash2_bwd_tc_det": {32: 242, 64: 255, 96: 255, 128: 255, 160: 231, 192: 246,
                                     256: 252},
-              "flash2_fwd_wg": {32: 122, 64: 128, 96: 255, 128: 240, 160: 190, 192: 209, 224: 255,
-                                256: 247},
+              "flash2_fwd_wg": {32: 128, 64: 128, 96: 255, 128: 255, 160: 205, 192: 225, 224: 255,
+                                256: 255},
               "flash2_bwd_wg": {32: 228, 64: 253, 128: 254, 160: 194, 192: 180, 224: 227, 256: 232},
               "flash2_bwd_wg_det": {32: 227, 64: 252, 128: 253, 160: 190, 192: 176, 224: 223,
                                     256: 234}, "flash2_fwd_ws": {64: 128, 96: 168, 128: 168},

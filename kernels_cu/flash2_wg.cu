@@ -37,9 +37,10 @@
 //                        CAP_ONLY = true (with VAR, not VL; kernels.wg_cap): the rules for
 //                        m of flash2_ws.cu's softcap instance. In bfloat16 (D ∈
 //                        kernels.WG_FIXED_HEAD_DIMS) a softcap ≤ 54.4, with ALiBi or
-//                        without, under the fixed max (NOTES v68); in float16 a softcap,
-//                        or ALiBi at D = 96, 128, under the lazy max, with ALiBi each Q
-//                        tile's diagonal key tile first (v70).
+//                        without, under the fixed max (NOTES v68); in float16 a softcap
+//                        without ALiBi under the lazy max (v70; with ALiBi, which the
+//                        copy-engine forward runs lazily, diagonal tile first, here the
+//                        lazy max measured slower than the online one).
 // Needs sm_90a (flashsim.gpu compiles it with NVRTC for that target on a 9.0 device).
 // Counts its traffic like the reference under -DFLASHSIM_COUNT_IO.
 
@@ -152,15 +153,9 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     band.kv_range(i0, i0 + rows, nk, Bc, &jlo, &jhi);
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
-    // the softcap instance in float16 (CAP_ONLY): the lazy max of flash2_ws.cu's
-    // (wg_softmax_lazy; NOTES v70)
+    // the softcap instance in float16 (CAP_ONLY, a softcap without ALiBi): the lazy max of
+    // flash2_ws.cu's (wg_softmax_lazy; NOTES v70)
     constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
-    // the key tile of step j (jlo … jhi): j, or, with ALiBi under the lazy max (square
-    // tiles: kernels.diagonal_first), first the tile of the Q tile's middle row's diagonal
-    // key, then the others in order (flash2_ws.cu's key_tile, running_max.key_order)
-    const int jd = min(max((i0 + rows / 2 + nk - nq) / Bc, jlo), jhi);
-    const bool diag = LAZY && Br == Bc && slopes != nullptr;
-    auto kt = [&](int j) { return !diag ? j : j == jlo ? jd : j - (j - 1 < jd ? 1 : 0); };
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
         fwd_tile_unseen<T, THREADS>(O + at_row0(at, p, AT_O) + (sq.q0 + i0) * (long long)ldo, ldo,
@@ -225,19 +220,18 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     };
     // the online softmax of tile j on S (wgmma.cuh's wg_softmax), and P to T
     auto softmax = [&](int j, float& a0, float& a1) {
-        wg_softmax<Bc, Br, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, kt(j) * Bc, i0, r0, tig, nq, nk, band,
+        wg_softmax<Bc, Br, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig, nq, nk, band,
                                 sl2, k_in, k_out, FIXED ? slope_p : VAR && slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f);
     };
     auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
-    const float slope_l = LAZY && slopes != nullptr ? slopes[p] : 0.f;
-    auto softmax_lazy = [&](int j, float& a0, float& a1) {
-        wg_softmax_lazy<T, Bc, Br, VAR>(s, pf, m0, m1, l0, l1, a0, a1, kt(j) * Bc, i0, r0, tig,
-                                        nq, nk, band, sl2, k_in, k_out, slope_l);
+    auto softmax_lazy = [&](int j, float& a0, float& a1) {   // (no slopes: a null pointer)
+        wg_softmax_lazy<T, Bc, Br, VAR>(s, pf, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig,
+                                        nq, nk, band, sl2, k_in, k_out, 0.f);
     };
     // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
     // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
     auto scores = [&](int j) {
-        wg_scores<Bc, Br, VAR>(s, kt(j) * Bc, i0, r0, tig, nq, nk, band, k_in, k_out, slope_l);
+        wg_scores<Bc, Br, VAR>(s, j * Bc, i0, r0, tig, nq, nk, band, k_in, k_out, 0.f);
     };
 
     // The loop overlaps the softmax of tile j with the tensor cores' O_i += P_{j−1} V_{j−1}:
@@ -247,7 +241,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // K_{j+1} and V_j stream in. Buffers: K_j and V_j in (j − jlo) & 1.
     load_tile<T, D, Br>(sQ, Q + at_row0(at, p, AT_Q) + (sq.q0 + i0) * (long long)ldq, ldq, rows, d);   // HBM→SRAM: Q_i (Br·d)
     {
-        const int j0 = kt(jlo) * Bc;
+        const int j0 = jlo * Bc;
         load_tile<T, D, Bc>(sK, Kp + (long long)j0 * ldk, ldk, min(Bc, nk - j0), d);   // HBM→SRAM: K_j (Bc·d)
     }
     cp_async_commit();
@@ -255,12 +249,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     fence_proxy_async();
     __syncthreads();
     {
-        const int j0 = kt(jlo) * Bc;
+        const int j0 = jlo * Bc;
         load_tile<T, D, Bc>(sV, Vp + (long long)j0 * ldv, ldv, min(Bc, nk - j0), dv);   // HBM→SRAM: V_j (Bc·dv)
-        if (jlo < jhi) {
-            const int j1 = LAZY ? kt(jlo + 1) * Bc : j0 + Bc;
-            load_tile<T, D, Bc>(sK + Bc * D * 2, Kp + (long long)j1 * ldk, ldk, min(Bc, nk - j1), d);
-        }
+        if (jlo < jhi)
+            load_tile<T, D, Bc>(sK + Bc * D * 2, Kp + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc), d);
         cp_async_commit();
     }
     wgmma_fence();
@@ -280,12 +272,10 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
         __syncthreads();                             // ... every thread's; and the buffers of
                                                      // step j − 2 are read by everyone
         {
-            const int j0 = kt(j) * Bc;
+            const int j0 = j * Bc;
             load_tile<T, D, Bc>(sV + buf * Bc * D * 2, (VL ? s_kv[1] : Vp) + (long long)j0 * ldv, ldv, min(Bc, nk - j0), dv);   // HBM→SRAM: V_j (Bc·dv)
-            if (j < jhi) {                           // HBM→SRAM: K_{j+1} (Bc·d)
-                const int j1 = LAZY ? kt(j + 1) * Bc : j0 + Bc;
-                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, (VL ? s_kv[0] : Kp) + (long long)j1 * ldk, ldk, min(Bc, nk - j1), d);
-            }
+            if (j < jhi)                             // HBM→SRAM: K_{j+1} (Bc·d)
+                load_tile<T, D, Bc>(sK + (buf ^ 1) * Bc * D * 2, (VL ? s_kv[0] : Kp) + (long long)(j0 + Bc) * ldk, ldk, min(Bc, nk - j0 - Bc), d);
             cp_async_commit();
         }
         fence_regs<Bc / 2>(s);

@@ -276,8 +276,7 @@ def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
             if i.kernel == "flash2_fwd_ws" and i.variant == kernels.CAP_ONLY}
     assert D_of == {(t, D) for t in ("float16", "bfloat16") for D in kernels.WS_HEAD_DIMS}
     # the cp.async forward's: bfloat16 (the fixed max) at every D but 64, float16 (the lazy
-    # one) at every D, no varlen one; ALiBi's diagonal key tile first where its tiles are
-    # square too
+    # one, without ALiBi) at every D, no varlen one
     wg = [i for i in kernels.instances("flash2_wg.cu")
           if i.kernel == "flash2_fwd_wg" and i.variant == kernels.CAP_ONLY]
     assert {(i.dtype, i.D) for i in wg} == (
@@ -287,9 +286,9 @@ def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
     assert set(kernels.WG_FIXED_HEAD_DIMS) == set(kernels.WG_HEAD_DIMS) - {64}
     assert all(kernels.wg_cap("bfloat16", D) != (D == 64) for D in kernels.WG_HEAD_DIMS)
     assert all(kernels.wg_cap("float16", D) for D in kernels.WG_HEAD_DIMS)
+    assert not any(kernels.wg_cap("float16", D, [0.1]) for D in kernels.WG_HEAD_DIMS)
+    assert all(kernels.wg_cap("bfloat16", D, [0.1]) for D in kernels.WG_FIXED_HEAD_DIMS)
     assert not kernels.wg_cap("float32", 128)
-    assert all(kernels.WG_BLOCKS[D][0] == kernels.WG_BLOCKS[D][1]
-               for D in kernels.WG_HEAD_DIMS if kernels.diagonal_first(D))
 
 
 def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit_l2():

@@ -330,7 +330,8 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(h, h, softcap=30.0, alibi_slopes=sl) == "online"   # (128 × 64 tiles)
         monkeypatch.setenv("FLASHSIM_TMA", "0")              # flash2_fwd_wg's, as the copy
         assert rule(q, q, softcap=30.0) == "lazy"            # engine's
-        assert rule(q, q, alibi_slopes=sl) == "lazy"
+        assert rule(q, q, alibi_slopes=sl) == "online"      # (float16's ALiBi: online
+        assert rule(q, q, softcap=30.0, alibi_slopes=sl) == "online"   # on flash2_fwd_wg)
         assert rule(q64, q64, softcap=30.0) == "lazy"
         assert rule(q64, q64, softcap=30.0, alibi_slopes=sl) == "online"
         monkeypatch.delenv("FLASHSIM_TMA")
