@@ -224,14 +224,17 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                                 sl2, k_in, k_out, FIXED ? slope_p : VAR && slopes != nullptr ? slopes[(VL ? sq.b * gridDim.y : 0) + p] : 0.f);
     };
     auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
-    auto softmax_lazy = [&](int j, float& a0, float& a1) {   // (no slopes: a null pointer)
+    // (flashsim launches it without slopes, kernels.wg_cap; with them it would still be
+    // right, in key order, which v65 measured slow)
+    const float slope_l = LAZY && slopes != nullptr ? slopes[p] : 0.f;
+    auto softmax_lazy = [&](int j, float& a0, float& a1) {
         wg_softmax_lazy<T, Bc, Br, VAR>(s, pf, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig,
-                                        nq, nk, band, sl2, k_in, k_out, 0.f);
+                                        nq, nk, band, sl2, k_in, k_out, slope_l);
     };
     // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
     // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
     auto scores = [&](int j) {
-        wg_scores<Bc, Br, VAR>(s, j * Bc, i0, r0, tig, nq, nk, band, k_in, k_out, 0.f);
+        wg_scores<Bc, Br, VAR>(s, j * Bc, i0, r0, tig, nq, nk, band, k_in, k_out, slope_l);
     };
 
     // The loop overlaps the softmax of tile j with the tensor cores' O_i += P_{j−1} V_{j−1}:
