@@ -18,6 +18,7 @@ are shared by all variants). Needs a GPU and CuPy; prints one line per variant
 
 import argparse
 import math
+import re
 
 import numpy as np
 
@@ -48,7 +49,7 @@ def forward(cp, src, D, N, variants, reps, rng):
         qreg = rest[1] if len(rest) > 1 else 1
         Br = 16 * warps * mt
         try:
-            kern = _build(cp, src, f"flash2_fwd_tc<__half, {D}{_plain(src)}>",
+            kern = _build(cp, src, f"flash2_fwd_tc<__half, {D}{_plain(src, 'flash2_fwd_tc')}>",
                           (f"FLASHSIM_TC_WARPS={warps}", f"FLASHSIM_TC_BC={bc}",
                            f"FLASHSIM_TC_MINBLOCKS={minb}", f"FLASHSIM_TC_MT={mt}",
                            f"FLASHSIM_TC_QREG={qreg}"))
@@ -76,10 +77,14 @@ def forward(cp, src, D, N, variants, reps, rng):
               f"{flops / ms / 1e9:.1f} TF/s, max|O - ref| = {err:.2e}", flush=True)
 
 
-def _plain(src: str) -> str:
-    """The plain instance's last template arguments, in a source whose kernels have the
-    VAR (softcap/ALiBi) and VL (varlen) arguments; fewer in an older one."""
-    return ", false, false" if "bool VL" in src else ", false" if "bool VAR" in src else ""
+def _plain(src: str, kernel: str) -> str:
+    """The plain instance's last template arguments (every bool false) of ``kernel`` in
+    ``src``: none in an older source, up to VAR, VL and the forward's CAP_ONLY now."""
+    for m in re.finditer(rf"\b{kernel}\(", src):
+        head = src[src.rfind("template <", 0, m.start()):m.start()]
+        if "__global__" in head:
+            return ", false" * head.split(">", 1)[0].count("bool ")
+    return ""
 
 
 def _no_variants(src: str) -> tuple:
@@ -123,7 +128,7 @@ def backward(cp, sources, D, N, variants, reps, rng):
         for var in variants:
             brb = int(var)
             try:
-                kern = _build(cp, text, f"flash2_bwd_tc<__half, {D}{_plain(text)}>",
+                kern = _build(cp, text, f"flash2_bwd_tc<__half, {D}{_plain(text, 'flash2_bwd_tc')}>",
                               (f"FLASHSIM_TCB_BRB={brb}",))
             except Exception as e:  # noqa: BLE001
                 print(f"bwd D={D} {label} BrB={brb}: build failed: {str(e)[:200]}")

@@ -382,18 +382,25 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
     kernel ``launch`` runs on ``hardware``: the copy-engine forward's softcap instance
     (kernels.cap_only: a softcap, with ALiBi or without, in bfloat16; a softcap or ALiBi
     in float16, ALiBi at kernels.diagonal_first's D) runs "fixed" in bfloat16 and "lazy"
-    in float16, as does the cp.async forward's (kernels.wg_cap); every other
-    launch "online" (`flashsim.gpu.softmax_max` on a real device)."""
+    in float16, as do the cp.async forward's (kernels.wg_cap) and the mma.sync
+    forward's (kernels.tc_cap; in float16 without ALiBi); every other launch "online"
+    (`flashsim.gpu.softmax_max` on a real device)."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
     variant = softcap is not None or alibi_slopes is not None
     D = K.instance_dim("wg", shape.d, shape.dv, False)
     if not (variant and K.cap_only(dtype, softcap, alibi_slopes, D)):
         return "online"
-    if choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) != "wg":
+    rung = choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant)
+    if rung == "tc":             # (cap_only's D matters for float16's ALiBi alone,
+        # which this rung runs online)
+        D = K.instance_dim("tc", shape.d, shape.dv, False, hw.compute_capability // 10)
+        if not K.tc_cap(dtype, D, alibi_slopes):
+            return "online"
+    elif rung != "wg":
         return "online"
-    if not (_copy_engine_forward(shape, block_sizes, False, variant)
-            or K.wg_cap(dtype, D, alibi_slopes)):
+    elif not (_copy_engine_forward(shape, block_sizes, False, variant)
+              or K.wg_cap(dtype, D, alibi_slopes)):
         return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if dtype == "bfloat16" else "lazy"
 

@@ -326,7 +326,7 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
 #   logits by its bias, at most B over the row's visible keys: m + B per row keeps the same
 #   bounds (fixed_m_alibi; running_max.fixed_max_rows).
 # - float16, whose 2^−24 … 2^16 holds no such interval: a lazy running max (wgmma.cuh's
-#   wg_softmax_lazy). A step's exponentials take the m of the steps before; only a warp
+#   softmax_lazy). A step's exponentials take the m of the steps before; only a warp
 #   where some P may pass 2^12 reduces its rows' max and takes the online step again.
 #   ALiBi's bias rises along a row towards its diagonal key: in key order it moved that
 #   max at most steps (NOTES v65), so with ALiBi (a softcap or none) each Q tile visits
@@ -360,6 +360,16 @@ def wg_cap(dtype: str, D: int, alibi_slopes=None) -> bool:
     if dtype == "bfloat16":
         return D in WG_FIXED_HEAD_DIMS
     return dtype == "float16" and D in WG_LAZY_HEAD_DIMS and alibi_slopes is None
+
+
+def tc_cap(dtype: str, D: int, alibi_slopes=None) -> bool:
+    """flash2_fwd_tc has a softcap instance (CAP_ONLY) for this dtype and D, which runs
+    these slopes: bfloat16 (the fixed max, ALiBi or none; NOTES v71) and float16 (the
+    lazy max, without ALiBi; v73) at every D; where cap_only holds too, its dense
+    launches run it."""
+    if dtype == "bfloat16":
+        return D in TC_HEAD_DIMS
+    return dtype == "float16" and D in TC_HEAD_DIMS and alibi_slopes is None
 
 
 def diagonal_first(D: int) -> bool:
@@ -556,7 +566,7 @@ REGISTERS = {
                   (64, {64: 150, 128: 210})) for c in (2, 4, 8)}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 32,
-              "flash2_fwd_tc": {32: 167, 64: 241, 96: 165, 128: 190, 160: 192, 192: 215, 224: 249,
+              "flash2_fwd_tc": {32: 220, 64: 254, 96: 167, 128: 195, 160: 192, 192: 215, 224: 249,
                                 256: 254},
               "flash2_bwd_preprocess_tc": 30,
               "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},
@@ -654,9 +664,10 @@ def instances(source: str | None = None) -> list[Instance]:
                                                 f"_Z{len(k)}{k}I{mT}Li{D}EE"))
                             continue
                         for var, vl in VARIANT_FLAGS:
-                            if k == "flash2_fwd_wg":    # <T, D, VAR, VL, CAP_ONLY>
+                            if k in ("flash2_fwd_wg", "flash2_fwd_tc"):   # <T, D, VAR, VL, CAP_ONLY>
+                                cap = wg_cap(dt, D) if k == "flash2_fwd_wg" else tc_cap(dt, D)
                                 kinds = [(var, False)] + ([(CAP_ONLY, True)] if var and not vl
-                                                          and wg_cap(dt, D) else [])
+                                                          and cap else [])
                                 out.extend(Instance(
                                     src, k, dt, D,
                                     f"{k}<{T}, {D}, {str(bool(v)).lower()}, {str(vl).lower()}, "

@@ -17,7 +17,7 @@ rounds once it is fed to the second product in the I/O type.
   be at most `flashsim.kernels.CAP_HEADROOM`.
 - ``"lazy"``: a step takes P = exp(S − m) with the m of the steps before, and moves m
   only where P might leave the I/O type's range. The rule is the Hopper forward's
-  float16 softcap instance's (wgmma.cuh's ``wg_softmax_lazy``), modelled at its
+  float16 softcap instances' (tensor_core.cuh's ``softmax_lazy``), modelled at its
   granularity: a tile's first step is an online one; after it, the 4 threads of a row
   each sum P over their share of the tile's keys (key c to thread (c mod 8) // 2), and a
   warp (16 rows from the tile's first) takes the online step only where a share of one

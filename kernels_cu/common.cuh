@@ -11,7 +11,7 @@
 
 template <typename T> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };
-// bfloat16, whose exponent range is float's (wgmma.cuh's cap_fixed_m)
+// bfloat16, whose exponent range is float's (tensor_core.cuh's cap_fixed_m)
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 

@@ -2,7 +2,7 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D, VAR, VL>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, …, 256}: head
+//   flash2_fwd_tc<T, D, VAR, VL, CAP_ONLY>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, …, 256}: head
 //                        dims d, dv ≤ D, multiples of 8 (below D the columns past them are
 //                        zeroed on chip and never stored; forward and backward run them
 //                        in their VAR instances, whose registers have room for the tests),
@@ -35,7 +35,9 @@
 // instance for softcap and ALiBi (tensor_core.cuh's VarScores finish S in log2 units
 // before the mask; the backward multiplies dS by 1 − tanh²); VL = true (built with VAR)
 // runs a packed varlen batch, walking common.cuh's table of real tiles (seq_at) as the
-// reference does; the plain instance is unchanged by either. Windows run on all (the band). Counts its traffic like the reference under
+// reference does; the plain instance is unchanged by either. The forward's CAP_ONLY =
+// true (with VAR, dense) is its softcap instance: bfloat16's softcap ≤ 54.4 under the
+// fixed max, float16's (without ALiBi) under the lazy one (flashsim.kernels.tc_cap). Windows run on all (the band). Counts its traffic like the reference under
 // -DFLASHSIM_COUNT_IO. Runs in the CPU emulation too (host_emu.h): mma.sync, ldmatrix
 // and the special registers have host forms in warp.cuh and tensor_core.cuh.
 
@@ -183,7 +185,7 @@ __device__ __forceinline__ void zero_cols(T* s, int width) {
 
 }  // namespace tc
 
-template <typename T, int D, bool VAR, bool VL>
+template <typename T, int D, bool VAR, bool VL, bool CAP_ONLY>
 __global__ void __launch_bounds__(32 * tc::warps<D>(), FLASHSIM_TC_MINBLOCKS)
 flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V,
               const long long* __restrict__ at, T* __restrict__ O, float* __restrict__ L,
@@ -286,11 +288,27 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 
     float o[MT][D / 8][4];
     float m[MT][2], l[MT][2];                        // running max (log2 domain), partial sums
+    // CAP_ONLY, the softcap instance (dense launches), runs the copy engine's softcap
+    // instance's rules for m (NOTES v71, v73): in bfloat16 (a softcap ≤ 54.4, with ALiBi
+    // or without) the fixed max (tensor_core.cuh's cap_fixed_m, fixed_m_alibi), so a step
+    // has no row max, α or rescale of O; in float16 (a softcap, no ALiBi) the lazy one
+    // (softmax_lazy: after a tile's first step, O is rescaled only where an m-tile's rows
+    // moved m)
+    constexpr bool FIXED = CAP_ONLY && VAR && !VL && IsBf16<T>::value;
+    constexpr bool LAZY = CAP_ONLY && VAR && !VL && !IsBf16<T>::value;
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
 #pragma unroll
         for (int t = 0; t < D / 8; ++t) o[mi][t][0] = o[mi][t][1] = o[mi][t][2] = o[mi][t][3] = 0.f;
         m[mi][0] = m[mi][1] = neg_inf<float>();
+        if constexpr (FIXED) {   // per row with ALiBi (the slope read here: held across
+            // the loop it spilled at D = 128 on sm_90)
+            const float m_cap = cap_fixed_m(k_out);
+            const float bias = slopes != nullptr ? k_out * slopes[opaque_ctaid_y()] : 0.f;
+            const int r0 = i0 + warp * RW + mi * 16 + g;
+            m[mi][0] = bias != 0.f ? fixed_m_alibi(m_cap, bias, r0, nk, band) : m_cap;
+            m[mi][1] = bias != 0.f ? fixed_m_alibi(m_cap, bias, r0 + 8, nk, band) : m_cap;
+        }
         l[mi][0] = l[mi][1] = 0.f;
     }
 
@@ -376,6 +394,35 @@ flash2_fwd_tc(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
                         const int r = i0 + (e < 2 ? r0 : r1);
                         if (c >= (VL ? s_nk : Nk) || !band.sees(r, c)) s[mi][t][e] = neg_inf<float>();
                     }
+            }
+            if constexpr (FIXED) {                   // m fixed: P, ℓ and nothing else
+                const float ms0 = m[mi][0], ms1 = m[mi][1];
+#pragma unroll
+                for (int t = 0; t < Bc / 8; ++t) {
+                    const float p0 = ex2(fmaf(s[mi][t][0], sl2, -ms0));
+                    const float p1 = ex2(fmaf(s[mi][t][1], sl2, -ms0));
+                    const float p2 = ex2(fmaf(s[mi][t][2], sl2, -ms1));
+                    const float p3 = ex2(fmaf(s[mi][t][3], sl2, -ms1));
+                    l[mi][0] += p0 + p1;
+                    l[mi][1] += p2 + p3;
+                    pf[mi][t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);
+                    pf[mi][t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);
+                }
+                continue;
+            }
+            if constexpr (LAZY) {
+                if (j > jlo) {                       // (a tile's first step: the online one)
+                    float a0, a1;
+                    softmax_lazy<T, Bc>(&s[mi][0][0], pf[mi], m[mi][0], m[mi][1], l[mi][0],
+                                        l[mi][1], a0, a1, sl2);
+                    if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {   // m moved
+#pragma unroll
+                        for (int t = 0; t < D / 8; ++t) {
+                            o[mi][t][0] *= a0; o[mi][t][1] *= a0; o[mi][t][2] *= a1; o[mi][t][3] *= a1;
+                        }
+                    }
+                    continue;
+                }
             }
             // online softmax in the log2 domain: p = 2^(s·scale·log2e − m)
             float mx0 = m[mi][0], mx1 = m[mi][1];

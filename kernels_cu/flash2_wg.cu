@@ -154,7 +154,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
     // the softcap instance in float16 (CAP_ONLY, a softcap without ALiBi): the lazy max of
-    // flash2_ws.cu's (wg_softmax_lazy; NOTES v70)
+    // flash2_ws.cu's (softmax_lazy; NOTES v70)
     constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
 
     if (jhi < jlo) {                                 // no key visible: O_i = 0, L_i = −∞
@@ -168,7 +168,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j
     // the softcap instance (CAP_ONLY, where kernels.cap_only and wg_cap say), in bfloat16:
-    // the fixed max of flash2_fwd_ws's (wgmma.cuh's cap_fixed_m; with ALiBi per row,
+    // the fixed max of flash2_fwd_ws's (tensor_core.cuh's cap_fixed_m; with ALiBi per row,
     // fixed_m_alibi): no row max, α or rescale of O (NOTES v68)
     // (in float16 the lazy max: LAZY above)
     constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
@@ -227,9 +227,8 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
     // (flashsim launches it without slopes, kernels.wg_cap; with them it would still be
     // right, in key order, which v65 measured slow)
     const float slope_l = LAZY && slopes != nullptr ? slopes[p] : 0.f;
-    auto softmax_lazy = [&](int j, float& a0, float& a1) {
-        wg_softmax_lazy<T, Bc, Br, VAR>(s, pf, m0, m1, l0, l1, a0, a1, j * Bc, i0, r0, tig,
-                                        nq, nk, band, sl2, k_in, k_out, slope_l);
+    auto lazy_step = [&](int j, float& a0, float& a1) {
+        softmax_lazy<T, Bc>(s, pf, m0, m1, l0, l1, a0, a1, sl2);
     };
     // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
     // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
@@ -296,7 +295,7 @@ flash2_fwd_wg(const T* __restrict__ Q, const T* __restrict__ K, const T* __restr
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk)
                 asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
-            softmax_lazy(j, a0, a1);
+            lazy_step(j, a0, a1);
             if (!__all_sync(0xffffffffu, a0 == 1.f && a1 == 1.f)) {   // a warp that moved m
 #pragma unroll
                 for (int t = 0; t < D / 8; ++t) {

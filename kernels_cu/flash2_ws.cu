@@ -40,12 +40,12 @@
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
 //                        CAP_ONLY = true (with VAR): the softcap instance (kernels.cap_only). In
 //                        bfloat16, with ALiBi or without, under a fixed softmax max: no
-//                        row max, α or rescale of O (wgmma.cuh's cap_fixed_m; with ALiBi
-//                        per row, fixed_m_alibi; NOTES v56, v66). In float16 under a
-//                        lazy running max: a step's exponentials take the steps
+//                        row max, α or rescale of O (tensor_core.cuh's cap_fixed_m; with
+//                        ALiBi per row, fixed_m_alibi; NOTES v56, v66). In float16 under
+//                        a lazy running max: a step's exponentials take the steps
 //                        before's m, and a warp reduces its rows' max and takes the
-//                        online step only where some P may pass 2^12 (wg_softmax_lazy;
-//                        v57, v59); with ALiBi (a softcap or none, at D = 96 and 128,
+//                        online step only where some P may pass 2^12 (tensor_core.cuh's
+//                        softmax_lazy; v57, v59); with ALiBi (a softcap or none, at D = 96 and 128,
 //                        whose tiles are square) each Q tile visits its diagonal key
 //                        tile first, where its rows' biases are largest (v69).
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
@@ -334,8 +334,9 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
     // the softcap instance (CAP_ONLY, where kernels.cap_only says): under a fixed max in
-    // bfloat16, with ALiBi or not (wgmma.cuh's cap_fixed_m, fixed_m_alibi), a lazy running
-    // max in float16 (wg_softmax_lazy; with ALiBi, the diagonal key tile first: key_tile)
+    // bfloat16, with ALiBi or not (tensor_core.cuh's cap_fixed_m, fixed_m_alibi), a lazy running
+    // max in float16 (tensor_core.cuh's softmax_lazy; with ALiBi, the diagonal key tile
+    // first: key_tile)
     constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
     constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
@@ -418,10 +419,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                                      VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
         auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
-        auto softmax_lazy = [&](int j, float& a0, float& a1) {
-            wg_softmax_lazy<T, Bc, BrM, VAR>(s, pf, m0, m1, l0, l1, a0, a1, kt(j) * Bc, i0 + cw * W0,
-                                             r0 - cw * W0, tig, nq, nk, band, sl2, k_in, k_out,
-                                             VAR && slopes != nullptr ? slopes[p] : 0.f);
+        auto lazy_step = [&](int j, float& a0, float& a1) {
+            softmax_lazy<T, Bc>(s, pf, m0, m1, l0, l1, a0, a1, sl2);
         };
         // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
         // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
@@ -495,7 +494,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
 #pragma unroll
                 for (int kk = 0; kk < Bc / 16; ++kk)
                     asm volatile("" : "+r"(pf[kk][0]), "+r"(pf[kk][1]), "+r"(pf[kk][2]), "+r"(pf[kk][3]));
-                softmax_lazy(j, a0, a1);
+                lazy_step(j, a0, a1);
                 if (FLASHSIM_WS_RESCALE_LATE) rescale();
                 continue;
             }

@@ -69,6 +69,7 @@ template <typename A, typename B> inline std::common_type_t<A, B> max(A a, B b) 
 }
 
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }   // (host floats: round to nearest, never fused)
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
 inline double __longlong_as_double(long long x) { double f; std::memcpy(&f, &x, 8); return f; }
@@ -222,6 +223,18 @@ template <typename V> inline V __shfl_xor_sync(unsigned mask, V v, int lane_mask
     auto slots = emu::warp_exchange(&v, sizeof(V));
     return emu::lane_value<V>(slots, (emu::block().current % 32) ^ lane_mask);
 }
+
+// __any_sync, __all_sync over the full warp (the lazy softmax's vote)
+inline int emu_vote(unsigned mask, int pred, bool any) {
+    if (mask != 0xffffffffu) emu::fail("warp votes: only the full-warp mask is emulated");
+    const int mine = pred != 0;
+    auto slots = emu::warp_exchange(&mine, sizeof(int));
+    for (int l = 0; l < 32; ++l)
+        if ((emu::lane_value<int>(slots, l) != 0) == any) return any;
+    return !any;
+}
+inline int __any_sync(unsigned mask, int pred) { return emu_vote(mask, pred, true); }
+inline int __all_sync(unsigned mask, int pred) { return emu_vote(mask, pred, false); }
 
 #define FLASHSIM_EMU_CAT2(a, b) a##b
 #define FLASHSIM_EMU_CAT(a, b) FLASHSIM_EMU_CAT2(a, b)

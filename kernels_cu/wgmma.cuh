@@ -226,34 +226,6 @@ FLASHSIM_WGMMA_RS_96(__half, "f16")
 FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 
 // -- the forwards' online softmax on a warpgroup's S (flash2_fwd_wg, flash2_fwd_ws) -------
-// A softcap c bounds every logit to [−c, c]: in log2 units x ∈ [−C, C], C = c·log2(e)
-// (VarScores' k_out). bfloat16 has float's exponent range, so P = 2^(x − m) needs no
-// running max there: with m = min(C, 125 − C) every P lies in [2^−125, 2^max(0, 2C − 125)],
-// normal in float and in bfloat16. Without the running max a step has no row max to
-// reduce, no α and no rescale of O, and the softcap's chain tanh → row max → ex2 becomes
-// tanh → ex2 per score (NOTES v56). flashsim.kernels.cap_only says where it runs
-// (2C − 125 ≤ 32: c ≤ 54.4, Gemma 2's 50 and Grok's 30 included; P ≤ 2^32 leaves ℓ and O
-// finite unless |V| ≥ 2^(96 − log2 Nk)); float16's range, 2^−24 … 2^16, is too narrow (its
-// softcap takes wg_softmax_lazy below, NOTES v57, v59).
-__device__ __forceinline__ float cap_fixed_m(float k_out) { return fminf(k_out, 125.f - k_out); }
-
-// The fixed max of query row r under a softcap with ALiBi (NOTES v66): its logits (log2
-// units) are C·tanh(·) − bias·|r + off − key| over its visible keys, so they lie in
-// [−C + B, C + B], B the largest of −bias·|dist| there (at the nearest key for bias ≥ 0,
-// the farthest below 0): the softcap alone's bounds shifted by B, which m + B keeps, as
-// both of cap_fixed_m's guarantees do. A row with no visible key keeps m (its ℓ stays 0).
-// ``bias``: the slope in log2 units, slope·log2(e).
-__device__ __forceinline__ float fixed_m_alibi(float m, float bias, int r, int nk,
-                                               const Band& band) {
-    const int dq = r + band.off;                         // the row's diagonal key (ALiBi's 0)
-    const int klo = band.left < 0 ? 0 : max(0, dq - band.left);
-    const int khi = band.right < 0 ? nk - 1 : min(nk - 1, dq + band.right);
-    if (klo > khi) return m;
-    const int dnear = dq < klo ? klo - dq : (dq > khi ? dq - khi : 0);
-    const int dfar = max(abs(dq - klo), abs(dq - khi));
-    return m - bias * (float)(bias >= 0.f ? dnear : dfar);
-}
-
 // The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
 // ragged keys and the band's edge masked to −∞ where the tile needs it
 template <int Bc, int Br, bool VAR>
@@ -290,7 +262,7 @@ __device__ __forceinline__ void wg_scores(float* s, int j0, int i0, int r0, int 
 // band where the tile needs it, updates the running max m (log2 domain) and the partial
 // sums ℓ of rows r0, r0 + 8, leaves P = 2^(S·sl2 − m) in s (fp32), and returns in a0, a1
 // the factors (α) that O's rows must be scaled by. FIXED (flash2_fwd_ws's softcap instance
-// in bfloat16, cap_fixed_m above): m stays the fixed max the caller set, and α = 1.
+// in bfloat16, tensor_core.cuh's cap_fixed_m): m stays the fixed max the caller set, and α = 1.
 template <int Bc, int Br, bool VAR, bool FIXED = false>
 __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float& l0, float& l1,
                                            float& a0, float& a1, int j0, int i0, int r0, int tig,
@@ -328,74 +300,6 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
         l0 += s[4 * t] + s[4 * t + 1];
         l1 += s[4 * t + 2] + s[4 * t + 3];
     }
-}
-// wg_softmax with a lazy running max (flash2_fwd_ws's softcap instance in float16, whose
-// range holds no fixed max; not a tile's first step, which takes wg_softmax): P =
-// 2^(S·sl2 − m) with the m of the steps before, so that the exponentials wait for no row
-// max, packed to T into pf as they come, and each thread's shares of the rows' Σ P summed
-// (the caller has finished the scores, tanh and mask, with wg_scores before it waited for
-// the product that reads pf, so that the softcap's MUFU work runs beside that product:
-// NOTES v62). A share (Bc/4 keys) bounds each of its P, as every P ≥ 0: where no thread of
-// the warp holds a share above 2^12, every P ≤ 2^12 (float16's range ends at 2^16), α = 1,
-// and the step is done with no row max (NOTES v59). Otherwise, or where a row of the warp
-// has seen no key yet (m = −∞: its P were taken against 0), the warp reduces its rows' max
-// from their scores, still in s, and each row whose max passed m takes the online step:
-// m moves to the row max, α = 2^(m_old − m), P and ℓ = ℓ_old·α + Σ P again. m only moves
-// up, to a row max, and L = m + log2 ℓ holds for any m.
-template <typename T, int Bc, int Br, bool VAR>
-__device__ __forceinline__ void wg_softmax_lazy(float* s, unsigned (*pf)[4], float& m0, float& m1,
-                                                float& l0, float& l1, float& a0, float& a1, int j0,
-                                                int i0, int r0, int tig, int nq, int nk,
-                                                const Band& band, float sl2, float k_in,
-                                                float k_out, float slope) {
-    const float ms0 = m0 == neg_inf<float>() ? 0.f : m0;
-    const float ms1 = m1 == neg_inf<float>() ? 0.f : m1;
-    float st0 = 0.f, st1 = 0.f;                            // this thread's shares of Σ P
-#pragma unroll
-    for (int t = 0; t < Bc / 8; ++t) {
-        const float p0 = ex2(fmaf(s[4 * t], sl2, -ms0)), p1 = ex2(fmaf(s[4 * t + 1], sl2, -ms0));
-        const float p2 = ex2(fmaf(s[4 * t + 2], sl2, -ms1)), p3 = ex2(fmaf(s[4 * t + 3], sl2, -ms1));
-        st0 += p0 + p1;
-        st1 += p2 + p3;
-        pf[t >> 1][(t & 1) * 2 + 0] = pack<T>(p0, p1);
-        pf[t >> 1][(t & 1) * 2 + 1] = pack<T>(p2, p3);
-    }
-    a0 = a1 = 1.f;
-    constexpr float bound = 4096.f;                        // 2^12
-    // (!(x <= bound): an infinite or NaN share fires too)
-    const bool quiet = st0 <= bound && st1 <= bound && m0 != neg_inf<float>() && m1 != neg_inf<float>();
-    if (__any_sync(0xffffffffu, !quiet)) {
-        float mx0 = neg_inf<float>(), mx1 = neg_inf<float>();
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]));
-        }
-        quad_max(mx0, mx1);              // the 4 threads of a quad share a row
-        mx0 *= sl2;
-        mx1 *= sl2;
-        // row r0 + 8h: the online step where its max passed m (−∞ > −∞ is false: a row
-        // that still sees no key keeps m = −∞, and its P are 0)
-        auto again = [&](int h, float mx, float& m, float& l, float& st, float& a) {
-            if (mx > m) {
-                a = ex2(m - mx);
-                m = mx;
-                l = __fmul_rn(l, a);
-                st = 0.f;
-#pragma unroll
-                for (int t = 0; t < Bc / 8; ++t) {
-                    const float p0 = ex2(fmaf(s[4 * t + 2 * h], sl2, -mx)),
-                                p1 = ex2(fmaf(s[4 * t + 2 * h + 1], sl2, -mx));
-                    st += p0 + p1;
-                    pf[t >> 1][(t & 1) * 2 + h] = pack<T>(p0, p1);
-                }
-            }
-        };
-        again(0, mx0, m0, l0, st0, a0);
-        again(1, mx1, m1, l1, st1, a1);
-    }
-    l0 += st0;
-    l1 += st1;
 }
 // P (fp32, in s) to T: the registers of keys 16k..16k+15 are, pairwise, the m16n8k16 A
 // fragment of k-step k (rows g and g + 8), the A operand of P V_j

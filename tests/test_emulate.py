@@ -131,6 +131,11 @@ def test_tensor_core_variants_backward_match_the_simulator(problem, deterministi
         G.check_variants_backward(*problem, deterministic, kernel="tc")
 
 
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+def test_the_tensor_core_forwards_softcap_runs_its_own_instance(monkeypatch, dtype):
+    G.check_tc_softcap_instance(monkeypatch, dtype, 64, Nq=150, Nk=90)
+
+
 @EMU
 @given(G.varlen_problems(dtypes=DTYPES), st.booleans())
 def test_varlen_matches_each_sequence_and_the_simulators_counts(problem, deterministic):

@@ -820,6 +820,64 @@ def test_the_cp_async_forwards_softcap_runs_its_own_instance(monkeypatch, dtype,
         np.testing.assert_allclose(own[1], online[1], rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", TC_DTYPES)
+@pytest.mark.parametrize("d", (64, 128, 200))
+def test_the_mma_sync_forwards_softcap_runs_its_own_instance(monkeypatch, dtype, d):
+    check_tc_softcap_instance(monkeypatch, dtype, d)
+
+
+def check_tc_softcap_instance(monkeypatch, dtype, d, Nq=333, Nk=200):
+    """flash2_fwd_tc runs its softcap instance (kernels.tc_cap) where kernels.cap_only
+    says: in bfloat16 a softcap ≤ 54.4, with ALiBi or without, under the fixed max; in
+    float16 a softcap without ALiBi under the lazy max; with ALiBi alone, or float16's
+    ALiBi, the online VAR instance. Against the simulator's twin under that rule (traffic
+    exactly): causal, a window, Nq ≠ Nk, steep, negative and per-batch slopes, keys whose
+    logits grow along the row (which move the lazy max); and O a few roundings of P from
+    the online instance's, L a few float roundings."""
+    from flashsim.gpu import flash2
+    seen = []
+    real = flash2.dev.kernel
+    monkeypatch.setattr(flash2.dev, "kernel", lambda name, dtype, count_io, D=None, variant=False,
+                        varlen=False: (seen.append((name, dtype, variant)),
+                                       real(name, dtype, count_io, D, variant, varlen))[1])
+    D = fs.kernels.instance_dim("tc", d, d)
+    rng = np.random.default_rng(d + 2)
+    rnd = make_precision("kernel", dtype).io_round
+    q = rnd(rng.standard_normal((2, 4, Nq, d)) * 3).astype(np.float64)
+    k = rnd(rng.standard_normal((2, 2, Nk, d)) * 3).astype(np.float64)
+    v = rnd(rng.standard_normal((2, 2, Nk, d))).astype(np.float64)
+    ramp = rnd(k * np.linspace(0.2, 2, Nk)[:, None])        # later keys, larger logits
+    steep = rng.uniform(0.2, 1.0, 4)
+    for c, kk, kw in ((50.0, k, dict()), (30.0, k, dict(causal=True, alibi_slopes=steep)),
+                      (5.0, k, dict(window=(70, 3), alibi_slopes=-steep / 10)),
+                      (54.0, ramp, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)))),
+                      (60.0, ramp, dict(causal=True)), (None, k, dict(alibi_slopes=steep))):
+        variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
+        seen.clear()
+        check_variants_forward(q, kk, v, dtype, None, variants, kernel="tc")
+        sl = kw.get("alibi_slopes")
+        own = fs.kernels.tc_cap(dtype, D, sl) and fs.kernels.cap_only(dtype, c, sl, D)
+        assert own == (c is not None and (c < 55 if dtype == "bfloat16" else sl is None))
+        assert seen[-1] == ("flash2_fwd_tc", dtype, fs.kernels.CAP_ONLY if own else True), (c, kw)
+        qd, vd = dev(q, dtype), dev(v, dtype)
+        assert fs.gpu.softmax_max(qd, vd, kernel="tc", softcap=c, alibi_slopes=sl) == \
+            (("fixed" if dtype == "bfloat16" else "lazy") if own else "online")
+    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
+    for kw in (dict(softcap=30.0, alibi_slopes=steep), dict(softcap=30.0)):
+        if dtype == "float16" and "alibi_slopes" in kw:
+            continue                                       # (the online VAR instance)
+        qd, kd, vd = (dev(x, dtype) for x in (q, k, v))
+        own = [host(x) for x in fs.gpu.attention(qd, kd, vd, kernel="tc", **kw)]
+        with monkeypatch.context() as m:
+            m.setattr(fs.kernels, "cap_only", lambda *a: False)
+            online = [host(x) for x in fs.gpu.attention(qd, kd, vd, kernel="tc", **kw)]
+        assert seen[-2:] == [("flash2_fwd_tc", dtype, fs.kernels.CAP_ONLY),
+                             ("flash2_fwd_tc", dtype, True)]
+        assert not np.array_equal(own[0], online[0])
+        np.testing.assert_allclose(own[0], online[0], atol=4 * eps * np.abs(v).max())
+        np.testing.assert_allclose(own[1], online[1], rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
 @pytest.mark.parametrize("d", (64, 128))
 def test_the_tma_forwards_warpgroups_stop_at_their_own_last_key_tile(monkeypatch, d):

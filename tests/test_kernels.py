@@ -289,6 +289,18 @@ def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
     assert not any(kernels.wg_cap("float16", D, [0.1]) for D in kernels.WG_HEAD_DIMS)
     assert all(kernels.wg_cap("bfloat16", D, [0.1]) for D in kernels.WG_FIXED_HEAD_DIMS)
     assert not kernels.wg_cap("float32", 128)
+    # the mma.sync forward's: bfloat16 (the fixed max) and float16 (the lazy one, without
+    # ALiBi) at every D, no varlen one
+    tc = [i for i in kernels.instances("flash2_tc.cu")
+          if i.kernel == "flash2_fwd_tc" and i.variant == kernels.CAP_ONLY]
+    assert {(i.dtype, i.D) for i in tc} == {(t, D) for t in ("float16", "bfloat16")
+                                            for D in kernels.TC_HEAD_DIMS}
+    assert not any(i.varlen for i in tc)
+    assert all(i.expr.endswith(", true, false, true>") for i in tc)
+    assert all(kernels.tc_cap("float16", D) for D in kernels.TC_HEAD_DIMS)
+    assert not any(kernels.tc_cap("float16", D, [0.1]) for D in kernels.TC_HEAD_DIMS)
+    assert all(kernels.tc_cap("bfloat16", D, [0.1]) for D in kernels.TC_HEAD_DIMS)
+    assert not kernels.tc_cap("float32", 128)
 
 
 def test_the_copy_engine_forwards_banded_order_takes_chunks_of_problems_that_fit_l2():

@@ -305,8 +305,9 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
     """fs.gpu.softmax_max: "lazy" (float16: a softcap, or ALiBi at d = 128) and "fixed"
     (bfloat16, a softcap with ALiBi or without) where the Hopper forward fed by the copy
     engine runs, and where the cp.async one does (FLASHSIM_TMA=0, d = 256; in bfloat16
-    not at d = 64), "online" elsewhere: no variant, ALiBi in float16 at d = 64 or 256,
-    bfloat16 past softcap 54.4 or without one, another rung."""
+    not at d = 64) and the mma.sync one (float16 without ALiBi), "online" elsewhere: no
+    variant, ALiBi in float16 at d = 64 or 256 and on the mma.sync rung, bfloat16 past
+    softcap 54.4 or without one."""
     from flashsim.gpu import flash2
     rung = ["wg"]
     monkeypatch.setattr(flash2, "_choose", lambda *a, **kw: rung[0])
@@ -334,8 +335,10 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(q64, q64, softcap=30.0) == "lazy"
         assert rule(q64, q64, softcap=30.0, alibi_slopes=sl) == "online"
         monkeypatch.delenv("FLASHSIM_TMA")
-        rung[0] = "tc"
-        assert rule(q, q, softcap=30.0) == "online"
+        rung[0] = "tc"                                       # the mma.sync forward's
+        assert rule(q, q, softcap=30.0) == "lazy"
+        assert rule(q, q, softcap=30.0, alibi_slopes=sl) == "online"
+        assert rule(q, q, alibi_slopes=sl) == "online"
         rung[0] = "wg"
         with pytest.raises(ValueError, match="kernel must be one of"):
             rule(q, q, kernel="fast")
@@ -356,13 +359,19 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(b64, b64, softcap=50.0) == "online"
         monkeypatch.delenv("FLASHSIM_TMA")
         assert rule(b64, b64, softcap=50.0) == "fixed"       # the copy engine's instance
+        rung[0] = "tc"                                       # the mma.sync forward's
+        assert rule(b64, b64, softcap=50.0, alibi_slopes=slopes) == "fixed"
+        assert rule(b64, b64, softcap=60.0) == "online"
+        assert rule(b64, b64, alibi_slopes=slopes) == "online"
+        rung[0] = "wg"
 
 
 def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     """softmax_max="auto" with hardware=: the copy-engine forward's softcap instance on a
     Hopper GPU runs "fixed" in bfloat16 (with ALiBi or without) and "lazy" in float16
-    (with ALiBi at d = 128 only); ALiBi in float16 at d = 64, no variant, an Ampere GPU
-    or the other rungs run "online". Without hardware, "auto" is refused."""
+    (with ALiBi at d = 128 only), and so does the mma.sync forward's (an Ampere GPU's
+    too; in float16 without ALiBi); ALiBi in float16 at d = 64 or on the mma.sync rung,
+    and no variant, run "online". Without hardware, "auto" is refused."""
     from flashsim import hierarchy
     from flashsim.problem import Shape
     shape = Shape(200, 200, 64, 64, (1,), (2,), (2,), 2)
@@ -383,8 +392,15 @@ def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     assert rule(shape, "bfloat16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
     assert rule(shape, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "online"
     assert rule(shape, "float16", "H100") == "online"
-    assert rule(shape, "float16", "A100", softcap=30.0) == "online"
-    assert rule(shape, "float16", "H100", softcap=30.0, launch="tc") == "online"
+    # the mma.sync forward's softcap instance (kernels.tc_cap): float16's lazy max
+    # without ALiBi, bfloat16's fixed one
+    assert rule(shape, "float16", "A100", softcap=30.0) == "lazy"
+    assert rule(shape, "float16", "H100", softcap=30.0, launch="tc") == "lazy"
+    assert rule(shape, "float16", "A100", softcap=30.0, alibi_slopes=np.ones(2)) == "online"
+    assert rule(shape, "bfloat16", "A100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
+    assert rule(wide, "bfloat16", "H100", softcap=50.0, launch="tc") == "fixed"
+    assert rule(wide, "bfloat16", "A100", softcap=60.0) == "online"
+    assert rule(wide, "bfloat16", "A100", alibi_slopes=np.ones(2)) == "online"
     q, k, v = _inputs(4, Nq=200, Nk=200, d=64)
     for dtype, named in (("bfloat16", "fixed"), ("float16", "lazy")):
         common = dict(softcap=30.0, io_dtype=dtype, precision="kernel", hardware="H100")

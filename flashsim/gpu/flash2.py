@@ -210,8 +210,9 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap, or ALiBi at
     head dims up to 128 but above 64) where the Hopper forward fed by the copy engine runs
     its softcap instance (flashsim.kernels.cap_only), as where the cp.async one runs its
-    own (kernels.wg_cap: in bfloat16 not at head dims 33–64; in float16 without ALiBi),
-    else "online"."""
+    own (kernels.wg_cap: in bfloat16 not at head dims 33–64; in float16 without ALiBi)
+    and the mma.sync one its own (kernels.tc_cap: in float16 without ALiBi), else
+    "online"."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
@@ -221,10 +222,12 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
         return "online"
     which = _choose(kernel, shape, qi.dtype, None, variant=_asked(window, softcap, alibi_slopes),
                     var=var)
-    D = _instance(shape, which, False) if which == "wg" else None
-    if which != "wg" or not K.cap_only(qi.dtype, softcap, alibi_slopes, D):
+    D = _instance(shape, which, False) if which in ("wg", "tc") else None
+    if which not in ("wg", "tc") or not K.cap_only(qi.dtype, softcap, alibi_slopes, D):
         return "online"
-    if _ws_tiles(shape, D, var=var) is None and not K.wg_cap(qi.dtype, D, alibi_slopes):
+    if which == "tc" and not K.tc_cap(qi.dtype, D, alibi_slopes):
+        return "online"
+    if which == "wg" and _ws_tiles(shape, D, var=var) is None and not K.wg_cap(qi.dtype, D, alibi_slopes):
         return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if qi.dtype == "bfloat16" else "lazy"
 
@@ -254,7 +257,8 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
     run softcap and ALiBi in their own template instances, so plain attention pays
     nothing for them; a softcap runs the Hopper forward under a fixed softmax max in
     bfloat16, with ALiBi or without (on the cp.async forward too, but at 32 < d ≤ 64:
-    flashsim.kernels.wg_cap), and a lazy one in float16, as does ALiBi in float16 at
+    flashsim.kernels.wg_cap; and the mma.sync one: kernels.tc_cap), and a lazy one in
+    float16 (without ALiBi on those two), as does ALiBi in float16 at
     64 < d ≤ 128 on the copy engine's forward, each Q tile's diagonal key tile first:
     flashsim.kernels.cap_only).
 
@@ -337,6 +341,8 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
                 var = K.CAP_ONLY         # its softcap instance: the fixed or lazy max
         else:
             name, (Br, Bc) = "flash2_fwd_tc", _tc_tiles(D, False, var)
+            if user_var and K.tc_cap(dtype, D, alibi_slopes) and K.cap_only(dtype, softcap, alibi_slopes, D):
+                var = K.CAP_ONLY         # its softcap instance: the fixed or lazy max
         if block_sizes is not None and tuple(block_sizes) != (Br, Bc):
             raise ValueError(f"{name} runs tiles {(Br, Bc)} here, not block_sizes="
                              f"{tuple(block_sizes)} (FLASHSIM_TMA=0 turns off the copy "
