@@ -1390,9 +1390,10 @@ def check_variants_forward(q, k, v, dtype, blocks, variants, kernel="auto"):
     out, lse = host(out), host(lse)
     asked = dict(window=variants["window"], softcap=variants["softcap"],
                  alibi_slopes=variants["alibi_slopes"])
+    # the twin under the rule for m the launch ran (the softcap instance's fixed or lazy
+    # max), at the tiles it was given
+    rule = fs.gpu.softmax_max(qd, vd, kernel=kernel, block_sizes=blocks, **asked)
     blocks = blocks or fs.gpu.block_sizes(qd, vd, kernel=kernel, **asked)
-    # the twin under the rule for m the launch ran (the softcap instance's fixed or lazy max)
-    rule = fs.gpu.softmax_max(qd, vd, kernel=kernel, **asked)
     assert_matches_simulator(out, lse, traffic, q, k, v, dtype, "flash2", blocks, variants,
                              softmax_max=rule)
 

@@ -359,6 +359,9 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
         assert rule(b64, b64, softcap=50.0) == "online"
         monkeypatch.delenv("FLASHSIM_TMA")
         assert rule(b64, b64, softcap=50.0) == "fixed"       # the copy engine's instance
+        # tiles that send the launch to flash2_fwd_wg, without a bfloat16 instance at 64
+        assert rule(b64, b64, softcap=50.0, block_sizes=fs.kernels.WG_BLOCKS[64]) == "online"
+        assert rule(b64, b64, softcap=50.0, block_sizes=fs.kernels.ws_blocks(64, True)) == "fixed"
         rung[0] = "tc"                                       # the mma.sync forward's
         assert rule(b64, b64, softcap=50.0, alibi_slopes=slopes) == "fixed"
         assert rule(b64, b64, softcap=60.0) == "online"

@@ -204,7 +204,7 @@ def block_sizes(q, v, *, backward: bool = False, kernel: str = "auto", window=No
 
 
 def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
-                alibi_slopes=None) -> str:
+                alibi_slopes=None, block_sizes=None) -> str:
     """The rule for the softmax's m (`flashsim.running_max`) that `attention` runs these
     inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
     (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap, or ALiBi at
@@ -212,7 +212,8 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     its softcap instance (flashsim.kernels.cap_only), as where the cp.async one runs its
     own (kernels.wg_cap: in bfloat16 not at head dims 33–64; in float16 without ALiBi)
     and the mma.sync one its own (kernels.tc_cap: in float16 without ALiBi), else
-    "online"."""
+    "online". ``block_sizes``: the tiles `attention` is given (they pick the rung, and on
+    Hopper whether the copy engine's forward runs)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
@@ -220,14 +221,15 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     var = softcap is not None or alibi_slopes is not None
     if not var:
         return "online"
-    which = _choose(kernel, shape, qi.dtype, None, variant=_asked(window, softcap, alibi_slopes),
-                    var=var)
+    which = _choose(kernel, shape, qi.dtype, block_sizes,
+                    variant=_asked(window, softcap, alibi_slopes), var=var)
     D = _instance(shape, which, False) if which in ("wg", "tc") else None
     if which not in ("wg", "tc") or not K.cap_only(qi.dtype, softcap, alibi_slopes, D):
         return "online"
     if which == "tc" and not K.tc_cap(qi.dtype, D, alibi_slopes):
         return "online"
-    if which == "wg" and _ws_tiles(shape, D, var=var) is None and not K.wg_cap(qi.dtype, D, alibi_slopes):
+    if (which == "wg" and _ws_tiles(shape, D, block_sizes, var) is None
+            and not K.wg_cap(qi.dtype, D, alibi_slopes)):
         return "online"          # flash2_fwd_wg, without a softcap instance here
     return "fixed" if qi.dtype == "bfloat16" else "lazy"
 
