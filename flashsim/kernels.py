@@ -362,14 +362,20 @@ def wg_cap(dtype: str, D: int, alibi_slopes=None) -> bool:
     return dtype == "float16" and D in WG_LAZY_HEAD_DIMS and alibi_slopes is None
 
 
+# flash2_fwd_tc's softcap instance (``variant`` = CAP_ONLY, dense): bfloat16's fixed max
+# at every D (NOTES v71), float16's lazy one (v73) at every D but 32, where on Ampere it
+# takes 220 registers, two CTAs per SM where the others run three
+TC_LAZY_HEAD_DIMS = tuple(D for D in TC_HEAD_DIMS if D != 32)
+
+
 def tc_cap(dtype: str, D: int, alibi_slopes=None) -> bool:
     """flash2_fwd_tc has a softcap instance (CAP_ONLY) for this dtype and D, which runs
-    these slopes: bfloat16 (the fixed max, ALiBi or none; NOTES v71) and float16 (the
-    lazy max, without ALiBi; v73) at every D; where cap_only holds too, its dense
+    these slopes: bfloat16 (the fixed max, ALiBi or none) at every D, float16 (the lazy
+    max) without ALiBi at D ∈ TC_LAZY_HEAD_DIMS; where cap_only holds too, its dense
     launches run it."""
     if dtype == "bfloat16":
         return D in TC_HEAD_DIMS
-    return dtype == "float16" and D in TC_HEAD_DIMS and alibi_slopes is None
+    return dtype == "float16" and D in TC_LAZY_HEAD_DIMS and alibi_slopes is None
 
 
 def diagonal_first(D: int) -> bool:
@@ -566,7 +572,7 @@ REGISTERS = {
                   (64, {64: 150, 128: 210})) for c in (2, 4, 8)}},
     "sm_80": {"flash2_fwd": 72, "flash2_bwd_preprocess": 28, "flash2_bwd_main": 80,
               "flash2_bwd_postprocess": 32,
-              "flash2_fwd_tc": {32: 220, 64: 254, 96: 167, 128: 195, 160: 192, 192: 215, 224: 249,
+              "flash2_fwd_tc": {32: 168, 64: 254, 96: 167, 128: 195, 160: 192, 192: 215, 224: 249,
                                 256: 254},
               "flash2_bwd_preprocess_tc": 30,
               "flash2_bwd_tc": {32: 170, 64: 228, 96: 179, 128: 244, 160: 229, 192: 228, 256: 250},

@@ -64,14 +64,14 @@ def test_every_kernel_compiles_without_spills(arch):
     # reference: 4 kernels × 4 dtypes, flash1 2 × 4, standard 8 × 4, square 2 × 4; tc: the
     # backward's pre-pass × 2 dtypes × 3 head dims (64, 128, 256), the forward × 2 × 8 head
     # dims (32, 64, …, 256) and the backward's 2 kernels × 2 × 7 (all but 224), each plain,
-    # softcap/ALiBi and varlen; wg (sm_90a only), plain, softcap/ALiBi and varlen: the
+    # softcap/ALiBi and varlen, and the forward's softcap alone at 8 + 7 (kernels.tc_cap); wg (sm_90a only), plain, softcap/ALiBi and varlen: the
     # forward × 2 dtypes × 8 head dims, and its softcap alone in bfloat16 at 7 (all but 64,
     # kernels.WG_FIXED_HEAD_DIMS) and float16 at 8 (WG_LAZY_HEAD_DIMS), the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
     # TMA (sm_90a only): d = 64, 96, 128 × 2, plain, softcap/ALiBi and the softcap alone
     # (kernels.CAP_ONLY), and its backward's 2
     # kernels at d = 64, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
     # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
-    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 84)
+    assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 15 + 84)
                                  + (48 + 15 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
@@ -289,15 +289,17 @@ def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
     assert not any(kernels.wg_cap("float16", D, [0.1]) for D in kernels.WG_HEAD_DIMS)
     assert all(kernels.wg_cap("bfloat16", D, [0.1]) for D in kernels.WG_FIXED_HEAD_DIMS)
     assert not kernels.wg_cap("float32", 128)
-    # the mma.sync forward's: bfloat16 (the fixed max) and float16 (the lazy one, without
-    # ALiBi) at every D, no varlen one
+    # the mma.sync forward's: bfloat16 (the fixed max) at every D, float16 (the lazy one,
+    # without ALiBi) at every D but 32, no varlen one
     tc = [i for i in kernels.instances("flash2_tc.cu")
           if i.kernel == "flash2_fwd_tc" and i.variant == kernels.CAP_ONLY]
-    assert {(i.dtype, i.D) for i in tc} == {(t, D) for t in ("float16", "bfloat16")
-                                            for D in kernels.TC_HEAD_DIMS}
+    assert {(i.dtype, i.D) for i in tc} == (
+        {("bfloat16", D) for D in kernels.TC_HEAD_DIMS}
+        | {("float16", D) for D in kernels.TC_LAZY_HEAD_DIMS})
+    assert set(kernels.TC_LAZY_HEAD_DIMS) == set(kernels.TC_HEAD_DIMS) - {32}
     assert not any(i.varlen for i in tc)
     assert all(i.expr.endswith(", true, false, true>") for i in tc)
-    assert all(kernels.tc_cap("float16", D) for D in kernels.TC_HEAD_DIMS)
+    assert all(kernels.tc_cap("float16", D) != (D == 32) for D in kernels.TC_HEAD_DIMS)
     assert not any(kernels.tc_cap("float16", D, [0.1]) for D in kernels.TC_HEAD_DIMS)
     assert all(kernels.tc_cap("bfloat16", D, [0.1]) for D in kernels.TC_HEAD_DIMS)
     assert not kernels.tc_cap("float32", 128)
