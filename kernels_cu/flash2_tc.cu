@@ -2,10 +2,11 @@
 // flash2_ref.cu (the same visited tiles, so the same traffic), on mma.sync.
 //
 // Kernels in this file, each a rung over the reference:
-//   flash2_fwd_tc<T, D, VAR, VL, CAP_ONLY>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {32, 64, …, 256}: head
-//                        dims d, dv ≤ D, multiples of 8 (below D the columns past them are
-//                        zeroed on chip and never stored; forward and backward run them
-//                        in their VAR instances, whose registers have room for the tests),
+//   flash2_fwd_tc<T, D, VAR, VL, CAP_ONLY>  forward, T ∈ {__half, __nv_bfloat16},
+//                        D ∈ {32, 64, …, 256}: head dims d, dv ≤ D, multiples of 8
+//                        (below D the columns past them are zeroed on chip and never
+//                        stored; forward and backward run them in their VAR instances,
+//                        whose registers have room for the tests),
 //                        tiles Br × Bc = 128 × 128 (D = 32, 64), 128 × 64 (D = 96, 128;
 //                        and on Ampere at D = 32, 64), 64 × 64 (above 128, one m-tile per
 //                        warp); shared rows of D rounded up to 64 halves (ds<D>). Adds
@@ -37,7 +38,8 @@
 // runs a packed varlen batch, walking common.cuh's table of real tiles (seq_at) as the
 // reference does; the plain instance is unchanged by either. The forward's CAP_ONLY =
 // true (with VAR, dense) is its softcap instance: bfloat16's softcap ≤ 54.4 under the
-// fixed max, float16's (without ALiBi) under the lazy one (flashsim.kernels.tc_cap). Windows run on all (the band). Counts its traffic like the reference under
+// fixed max, float16's (without ALiBi) under the lazy one (flashsim.kernels.tc_cap).
+// Windows run on all (the band). Counts its traffic like the reference under
 // -DFLASHSIM_COUNT_IO. Runs in the CPU emulation too (host_emu.h): mma.sync, ldmatrix
 // and the special registers have host forms in warp.cuh and tensor_core.cuh.
 
