@@ -765,34 +765,96 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                 vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
                 dist0 = (float)(i0 + wh * (BrB / 2) + tig * 2 + (nk - nq) - j0 - k0);
             }
+            if constexpr (!VL) {
+                // Three passes over the warp's scores, so that the first is one branch-free block
+                // of independent chains: P into s (VAR: dP − D times the softcap's 1 − tanh² into
+                // dp); in tiles that have them, the masked scores' P set to 0; Pᵀ and dSᵀ =
+                // P (dP − D) stored. (A mask test per score split the first pass into a block
+                // per score, each a serial tanh → ex2 chain with nothing beside it: NOTES v76)
 #pragma unroll
-            for (int t = 0; t < QN; ++t) {
-                const int qc = wh * (BrB / 2) + t * 8 + tig * 2;   // this thread's two queries
-                const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
-                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+                for (int t = 0; t < QN; ++t) {
+                    const int qc = wh * (BrB / 2) + t * 8 + tig * 2;   // this thread's two queries
+                    const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
+                    float2 dd;
+                    if constexpr (VAR) dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
-                for (int mt = 0; mt < KM; ++mt) {
-                    float pv[4], dsv[4];
+                    for (int mt = 0; mt < KM; ++mt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = j0 + k0 + mt * 16 + (e < 2 ? 0 : 8), q = i0 + qc + (e & 1);
-                        float dcap = 1.f;
-                        if constexpr (VAR) {
-                            float th = 0.f;
-                            const float x = vs(s[mt][t][e], dist0 + (float)(t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8)), &th);
-                            pv[e] = ex2(fmaf(x, vs.scale(), -((e & 1) ? l2.y : l2.x)));
-                            dcap = fmaf(-th, th, 1.f);   // 1 without a softcap (th = 0)
-                        } else {
-                            pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                        for (int e = 0; e < 4; ++e) {
+                            const float l = (e & 1) ? l2.y : l2.x;
+                            if constexpr (VAR) {
+                                float th = 0.f;
+                                const float x = vs(s[mt][t][e], dist0 + (float)(t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8)), &th);
+                                s[mt][t][e] = ex2(fmaf(x, vs.scale(), -l));
+                                // 1 − tanh²: 1 without a softcap (th = 0)
+                                dp[mt][t][e] = (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x)) * fmaf(-th, th, 1.f);
+                            } else {
+                                s[mt][t][e] = ex2(fmaf(s[mt][t][e], scale_log2, -l));
+                            }
                         }
-                        if (partial && (key >= nk || !band.sees(q, key))) pv[e] = 0.f;
-                        dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x)) * dcap;
+                }
+                if (partial) {
+#pragma unroll
+                    for (int t = 0; t < QN; ++t)
+#pragma unroll
+                        for (int mt = 0; mt < KM; ++mt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int key = j0 + k0 + mt * 16 + (e < 2 ? 0 : 8);
+                                const int q = i0 + wh * (BrB / 2) + t * 8 + tig * 2 + (e & 1);
+                                if (key >= nk || !band.sees(q, key)) s[mt][t][e] = 0.f;
+                            }
+                }
+#pragma unroll
+                for (int t = 0; t < QN; ++t) {
+                    const int qc = wh * (BrB / 2) + t * 8 + tig * 2;
+                    float2 dd = make_float2(0.f, 0.f);         // (VAR: already in dp)
+                    if constexpr (!VAR) dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+                    for (int mt = 0; mt < KM; ++mt) {
+                        const float* pv = s[mt][t];
+                        float dsv[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) dsv[e] = pv[e] * (dp[mt][t][e] - ((e & 1) ? dd.y : dd.x));
+                        T* pr = sP + (k0 + mt * 16) * SPS + qc;
+                        *reinterpret_cast<unsigned*>(pr) = pack<T>(pv[0], pv[1]);
+                        *reinterpret_cast<unsigned*>(pr + 8 * SPS) = pack<T>(pv[2], pv[3]);
+                        *reinterpret_cast<unsigned*>(pr + Bc * SPS) = pack<T>(dsv[0], dsv[1]);
+                        *reinterpret_cast<unsigned*>(pr + Bc * SPS + 8 * SPS) = pack<T>(dsv[2], dsv[3]);
                     }
-                    T* pr = sP + (k0 + mt * 16) * SPS + qc;
-                    *reinterpret_cast<unsigned*>(pr) = pack<T>(pv[0], pv[1]);
-                    *reinterpret_cast<unsigned*>(pr + 8 * SPS) = pack<T>(pv[2], pv[3]);
-                    *reinterpret_cast<unsigned*>(pr + Bc * SPS) = pack<T>(dsv[0], dsv[1]);
-                    *reinterpret_cast<unsigned*>(pr + Bc * SPS + 8 * SPS) = pack<T>(dsv[2], dsv[3]);
+                }
+            } else {   // varlen: one pass, the mask per score (three spilled 16 bytes on sm_90)
+#pragma unroll
+                for (int t = 0; t < QN; ++t) {
+                    const int qc = wh * (BrB / 2) + t * 8 + tig * 2;   // this thread's two queries
+                    const float2 l2 = *reinterpret_cast<const float2*>(sLb + qc);
+                    const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+                    for (int mt = 0; mt < KM; ++mt) {
+                        float pv[4], dsv[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = j0 + k0 + mt * 16 + (e < 2 ? 0 : 8), q = i0 + qc + (e & 1);
+                            float dcap = 1.f;
+                            if constexpr (VAR) {
+                                float th = 0.f;
+                                const float x = vs(s[mt][t][e], dist0 + (float)(t * 8 + (e & 1) - mt * 16 - (e < 2 ? 0 : 8)), &th);
+                                pv[e] = ex2(fmaf(x, vs.scale(), -((e & 1) ? l2.y : l2.x)));
+                                dcap = fmaf(-th, th, 1.f);   // 1 without a softcap (th = 0)
+                            } else {
+                                pv[e] = ex2(fmaf(s[mt][t][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                            }
+                            if (partial && (key >= nk || !band.sees(q, key))) pv[e] = 0.f;
+                            // (the three passes' order of roundings: the same bits as a
+                            // dense launch of each sequence)
+                            dsv[e] = pv[e] * ((dp[mt][t][e] - ((e & 1) ? dd.y : dd.x)) * dcap);
+                        }
+                        T* pr = sP + (k0 + mt * 16) * SPS + qc;
+                        *reinterpret_cast<unsigned*>(pr) = pack<T>(pv[0], pv[1]);
+                        *reinterpret_cast<unsigned*>(pr + 8 * SPS) = pack<T>(pv[2], pv[3]);
+                        *reinterpret_cast<unsigned*>(pr + Bc * SPS) = pack<T>(dsv[0], dsv[1]);
+                        *reinterpret_cast<unsigned*>(pr + Bc * SPS + 8 * SPS) = pack<T>(dsv[2], dsv[3]);
+                    }
                 }
             }
         }
