@@ -3,6 +3,12 @@ and `dev` (quick local loop: `python3 -m pytest --hypothesis-profile=dev`).
 `gpu` sizes the GPU fuzzing to finish within a few minutes on one GPU
 (`python3 -m pytest -m gpu --hypothesis-profile=gpu`)."""
 
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 from hypothesis import HealthCheck, settings
 
 # the GPU tests' `poisoned` fixture is function-scoped on purpose: it patches every
@@ -21,3 +27,57 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                            HealthCheck.function_scoped_fixture])
 settings.load_profile("ci")
+
+
+
+# tests/test_kernels.py checks ptxas's report of every kernel instance, per arch: a cold
+# build is most of the suite's time (nvcc on every core, ~6 min for sm_90 on two). Once
+# collection shows those tests will run, a separate process builds them in the background,
+# filling kernels.build's cache beside the suite's single-threaded CPU tests (a process:
+# the tests' monkeypatches of flashsim and the environment cannot reach it). The tests
+# then wait for it and build through the cache; whatever it failed to build, they compile
+# again themselves and report.
+_BUILD_TESTS = ("test_every_kernel_compiles_without_spills",
+                "test_the_launch_tables_registers_give_each_builds_occupancy")
+_PREBUILD: list[subprocess.Popen] = []
+
+
+def pytest_collection_finish(session):
+    if shutil.which("nvcc") is None:
+        return
+    archs = sorted({item.callspec.params["arch"] for item in session.items
+                    if getattr(item, "originalname", None) in _BUILD_TESTS
+                    and "arch" in getattr(getattr(item, "callspec", None), "params", {})},
+                   reverse=True)                  # sm_90, the larger, first
+    if not archs:
+        return
+    code = ("import sys\nfrom flashsim import kernels\nfor arch in sys.argv[1:]:\n"
+            "    try:\n        kernels.build(arch)\n    except Exception:\n        pass\n")
+    root = str(session.config.rootpath)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    _PREBUILD.append(subprocess.Popen([sys.executable, "-c", code, *archs], cwd=root, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session):
+    for proc in _PREBUILD:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def kernel_build():
+    """``kernel_build(arch)``: ptxas's report of every instance for ``arch`` (a tuple of
+    kernels.BuildRow), once the background build has finished; one per arch a session."""
+    from flashsim import kernels
+    done: dict[str, tuple] = {}
+
+    def get(arch):
+        for proc in _PREBUILD:
+            proc.wait()
+        if arch not in done:
+            done[arch] = tuple(kernels.build(arch))
+        return done[arch]
+    return get

@@ -2,7 +2,6 @@
 the counters the kernels report map onto the simulator's tensor names, and flashsim.gpu
 fails clearly where CuPy or a device is missing."""
 
-import functools
 import shutil
 
 import pytest
@@ -30,12 +29,6 @@ def test_default_block_sizes_fit_the_shared_memory():
         kernels.default_block_sizes(256, 256, "float64", 100)
 
 
-@functools.lru_cache(maxsize=None)
-def built(arch):
-    """ptxas's report of every instance (one build per arch for the whole session)."""
-    return tuple(kernels.build(arch))
-
-
 def test_the_build_report_flags_serialised_warpgroup_mmas():
     """ptxas's C7511 advisory names the function whose wgmma it serialised: that instance's
     row says so, the others do not."""
@@ -55,8 +48,8 @@ def test_the_build_report_flags_serialised_warpgroup_mmas():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_every_kernel_compiles_without_spills(arch):
-    rows = built(arch)
+def test_every_kernel_compiles_without_spills(arch, kernel_build):
+    rows = kernel_build(arch)
     expected = {(i.kernel, i.dtype, i.D, i.variant, i.varlen, inst)
                 for i in kernels.instances() for inst in (False, True)
                 if kernels.source_arch(i.source, arch)
@@ -106,7 +99,7 @@ def test_gpu_functions_say_what_is_missing():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
+def test_the_launch_tables_registers_give_each_builds_occupancy(arch, kernel_build):
     """kernels.REGISTERS (read by the launch model) against a fresh build: for every fast
     instance, the CTAs per SM that its own register count allows at the tiles it runs are
     what the table's count allows, and the table never undercounts."""
@@ -115,8 +108,8 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch):
     # flash1 and standard attention are outside the launch model (kernels.ALGORITHM_GRIDS)
     unmodeled = set(kernels.SOURCES["flash1_ref.cu"] + kernels.SOURCES["standard_ref.cu"]
                     + kernels.SOURCES["square_ref.cu"])
-    assert {r.kernel for r in built(arch)} - set(kernels.REGISTERS[arch]) == unmodeled
-    for r in built(arch):
+    assert {r.kernel for r in kernel_build(arch)} - set(kernels.REGISTERS[arch]) == unmodeled
+    for r in kernel_build(arch):
         if r.instrumented or r.kernel in unmodeled:
             continue
         table = kernels.registers(r.kernel, r.D, cc)
