@@ -227,20 +227,36 @@ FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 
 // -- the forwards' online softmax on a warpgroup's S (flash2_fwd_wg, flash2_fwd_ws) -------
 // The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
-// ragged keys and the band's edge masked to −∞ where the tile needs it
-template <int Bc, int Br, bool VAR>
+// ragged keys and the band's edge masked to −∞ where the tile needs it. SPLIT (the online
+// softmax's callers): ALiBi alone in a pass of its own, below
+template <int Bc, int Br, bool VAR, bool SPLIT = false>
 __device__ __forceinline__ void wg_scores(float* s, int j0, int i0, int r0, int tig, int nq, int nk,
                                           const Band& band, float k_in, float k_out, float slope) {
     if constexpr (VAR) {
         const VarScores vs{k_in, k_out, slope};
         const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
+        if (!SPLIT || k_out != 0.f) {
 #pragma unroll
-        for (int t = 0; t < Bc / 8; ++t)
+            for (int t = 0; t < Bc / 8; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float th;
-                s[4 * t + e] = vs(s[4 * t + e], dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    float th;
+                    s[4 * t + e] = vs(s[4 * t + e], dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1)), &th);
+                }
+        } else {
+            // ALiBi alone: its bias unconditional (a slope of 0 adds −0·|dist|, which leaves
+            // s·k_in as it is). Left to VarScores' test per score, ptxas (flash2_fwd_wg's
+            // online instance, 240 registers) split this pass into a branch per 4 scores,
+            // basic blocks it schedules one at a time (NOTES v79). With the softcap the
+            // test stays (a softcap alone then skips the distances too); the fixed and lazy
+            // softmaxes keep the one pass, which split measured slower there
+#pragma unroll
+            for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[4 * t + e] = fmaf(-vs.k_bias, fabsf(dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1))),
+                                        s[4 * t + e] * k_in);
+        }
     }
     const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
                          || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
@@ -268,7 +284,7 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
                                            float& a0, float& a1, int j0, int i0, int r0, int tig,
                                            int nq, int nk, const Band& band, float sl2,
                                            float k_in, float k_out, float slope) {
-    wg_scores<Bc, Br, VAR>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
+    wg_scores<Bc, Br, VAR, !FIXED>(s, j0, i0, r0, tig, nq, nk, band, k_in, k_out, slope);
     float ms0 = m0, ms1 = m1;                // FIXED: the caller's max, and α = 1
     a0 = a1 = 1.f;
     if constexpr (!FIXED) {
