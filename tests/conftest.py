@@ -5,6 +5,7 @@ and `dev` (quick local loop: `python3 -m pytest --hypothesis-profile=dev`).
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -29,7 +30,6 @@ settings.register_profile(
 settings.load_profile("ci")
 
 
-
 # tests/test_kernels.py checks ptxas's report of every kernel instance, per arch: a cold
 # build is most of the suite's time (nvcc on every core, ~6 min for sm_90 on two). Once
 # collection shows those tests will run, a separate process builds them in the background,
@@ -43,7 +43,7 @@ _PREBUILD: list[subprocess.Popen] = []
 
 
 def pytest_collection_finish(session):
-    if shutil.which("nvcc") is None:
+    if shutil.which("nvcc") is None or session.config.option.collectonly:
         return
     archs = sorted({item.callspec.params["arch"] for item in session.items
                     if getattr(item, "originalname", None) in _BUILD_TESTS
@@ -56,14 +56,16 @@ def pytest_collection_finish(session):
     root = str(session.config.rootpath)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    # a session of its own, so that an interrupted run can stop its nvcc processes too
     _PREBUILD.append(subprocess.Popen([sys.executable, "-c", code, *archs], cwd=root, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True))
 
 
 def pytest_sessionfinish(session):
     for proc in _PREBUILD:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
