@@ -32,11 +32,11 @@ settings.load_profile("ci")
 
 # tests/test_kernels.py checks ptxas's report of every kernel instance, per arch: a cold
 # build is most of the suite's time (nvcc on every core, ~6 min for sm_90 on two). Once
-# collection shows those tests will run, a separate process builds them in the background,
-# filling kernels.build's cache beside the suite's single-threaded CPU tests (a process:
-# the tests' monkeypatches of flashsim and the environment cannot reach it). The tests
-# then wait for it and build through the cache; whatever it failed to build, they compile
-# again themselves and report.
+# collection shows those tests will run, `flashsim kernels build` runs in a separate
+# process, filling kernels.build's cache beside the suite's single-threaded CPU tests (a
+# process, so that the tests' monkeypatches of flashsim and the environment cannot reach
+# it). The tests then wait for it and build through the cache; whatever it failed to
+# build, they compile again themselves and report.
 _BUILD_TESTS = ("test_every_kernel_compiles_without_spills",
                 "test_the_launch_tables_registers_give_each_builds_occupancy")
 _PREBUILD: list[subprocess.Popen] = []
@@ -51,13 +51,14 @@ def pytest_collection_finish(session):
                    reverse=True)                  # sm_90, the larger, first
     if not archs:
         return
-    code = ("import sys\nfrom flashsim import kernels\nfor arch in sys.argv[1:]:\n"
-            "    try:\n        kernels.build(arch)\n    except Exception:\n        pass\n")
     root = str(session.config.rootpath)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "flashsim", "kernels", "build"]
+    for arch in archs:
+        cmd += ["--arch", arch]
     # a session of its own, so that an interrupted run can stop its nvcc processes too
-    _PREBUILD.append(subprocess.Popen([sys.executable, "-c", code, *archs], cwd=root, env=env,
+    _PREBUILD.append(subprocess.Popen(cmd, cwd=root, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True))
 
