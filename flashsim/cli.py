@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Work with the CUDA kernels in kernels_cu/.")
     ksub = kp.add_subparsers(dest="kernels_command", metavar="{build}", required=True)
     kb = ksub.add_parser(
-        "build", help="compile every kernel variant with nvcc (no GPU needed)",
+        "build", help="compile every kernel variant with nvcc or NVRTC (no GPU needed)",
         description="Compile every kernel the package can launch (each dtype, the fast "
                     "and the instrumented build) with nvcc, and print registers, static "
                     "shared memory, stack and spill bytes per variant, and where ptxas "
@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     kb.add_argument("--arch", action="append", default=None,
                     help="target, e.g. sm_90 or sm_80 (repeatable; default sm_90)")
     kb.add_argument("--nvcc", default=None, help="the nvcc to use (default: from PATH)")
+    kb.add_argument("--nvrtc", nargs="?", const=True, default=None, metavar="LIB",
+                    help="build with NVRTC, as flashsim.gpu does on the GPU's machine, "
+                         "instead of nvcc: its libnvrtc.so (default: $FLASHSIM_NVRTC, the "
+                         "nvidia-cuda-nvrtc wheel CuPy uses, or the toolkit's); its builds "
+                         "can spill where nvcc's of the same version do not")
     kb.add_argument("--no-cache", action="store_true",
                     help="compile everything again rather than reuse ptxas's reports kept "
                          "under ~/.cache/flashsim/build (keyed by nvcc's version, the "
@@ -610,8 +615,8 @@ def run_kernels_build(args) -> int:
     from . import kernels
     spilled = set()
     for arch in args.arch or ["sm_90"]:
-        rows = kernels.build(arch, nvcc=args.nvcc, cache=not args.no_cache)
-        print(kernels.format_build(rows, arch))
+        rows = kernels.build(arch, nvcc=args.nvcc, cache=not args.no_cache, nvrtc=args.nvrtc)
+        print(kernels.format_build(rows, arch + (" by NVRTC" if args.nvrtc else "")))
         print()
         spilled |= {"instrumented" if r.instrumented else "fast path"
                     for r in rows if r.spill_stores or r.spill_loads}

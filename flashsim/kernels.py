@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -922,32 +923,129 @@ def _sources_digest(kdir: Path) -> str:
     return h.hexdigest()
 
 
+def find_nvrtc(lib: str | None = None) -> Path:
+    """The NVRTC library to build with: ``lib``, else $FLASHSIM_NVRTC, else one from the
+    NVIDIA wheels CuPy depends on (nvidia-cuda-nvrtc: nvidia/cu13/lib, nvidia/cuda_nvrtc/
+    lib), else the CUDA toolkit's beside nvcc. FileNotFoundError if none is found."""
+    lib = lib or os.environ.get("FLASHSIM_NVRTC")
+    if lib:
+        if not Path(lib).is_file():
+            raise FileNotFoundError(f"no NVRTC library at {lib}")
+        return Path(lib)
+    import importlib.util
+    dirs = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        dirs += [Path(root) / "cu13" / "lib", Path(root) / "cuda_nvrtc" / "lib"]
+    if (nvcc := shutil.which("nvcc")):
+        dirs += [Path(nvcc).resolve().parent.parent / d for d in ("lib64", "lib")]
+    for d in dirs:
+        hits = sorted(d.glob("libnvrtc.so*")) if d.is_dir() else []
+        if hits:
+            return hits[-1]
+    raise FileNotFoundError("no NVRTC library found: pip install nvidia-cuda-nvrtc (the one "
+                            "CuPy loads), or name one with --nvrtc PATH or FLASHSIM_NVRTC")
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc(lib: str):
+    """NVRTC loaded by ctypes, its builtins library first (libnvrtc opens it by name, and
+    a library of that name already loaded is the one it gets), and its version."""
+    import ctypes
+    for b in sorted(Path(lib).parent.glob("libnvrtc-builtins.so*")):
+        if ".alt." not in b.name:
+            ctypes.CDLL(str(b), mode=ctypes.RTLD_GLOBAL)
+            break
+    n = ctypes.CDLL(lib)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    n.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return n, f"NVRTC {major.value}.{minor.value}"
+
+
+def _nvrtc_compile(lib: str, src: str, code: str, exprs: list[str], opts: list[str]) -> str:
+    """ptxas's report (--ptxas-options=-v) of one program of ``exprs`` built by NVRTC as
+    flashsim.gpu builds it; RuntimeError with NVRTC's log if it fails."""
+    import ctypes
+    n, _ = _nvrtc(lib)
+    prog = ctypes.c_void_p()
+    n.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), src.encode(), 0, None, None)
+    try:
+        for e in exprs:
+            n.nvrtcAddNameExpression(prog, e.encode())
+        args = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
+        rc = n.nvrtcCompileProgram(prog, len(opts), args)
+        size = ctypes.c_size_t()
+        n.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        n.nvrtcGetProgramLog(prog, log)
+        log = log.value.decode(errors="replace")
+    finally:
+        n.nvrtcDestroyProgram(ctypes.byref(prog))
+    if rc != 0:
+        raise RuntimeError(f"NVRTC failed on {src} ({' '.join(opts)}):\n{log}")
+    return log
+
+
 def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = None,
-          instrumented: bool | None = None, cache: bool = True) -> list[BuildRow]:
+          instrumented: bool | None = None, cache: bool = True,
+          nvrtc: str | bool | None = None) -> list[BuildRow]:
     """Compile every kernel instance with nvcc (no GPU needed) and return ptxas's
     registers, static shared memory, stack and spill bytes per instance. Raises
     RuntimeError with the compiler's output if anything fails to compile. ``cache``:
     ptxas's report of each compilation is kept under ~/.cache/flashsim/build, keyed by the
     nvcc version, the command, the instances and every kernel source and header, so an
-    unchanged build (the test suite's, then `flashsim kernels build`'s) compiles once."""
+    unchanged build (the test suite's, then `flashsim kernels build`'s) compiles once.
+
+    ``nvrtc``: build with NVRTC instead, the compiler that flashsim.gpu builds the kernels
+    with on the GPU's machine, one instance per program with the same options as there
+    (True: the library `find_nvrtc` finds; a string: its path). Its builds can differ
+    from nvcc's of the same version (NVRTC 13.0 spilled where nvcc 13.0 did not, NOTES
+    v80); the CUDA headers come from $CUDA_PATH, $CUDA_HOME, the toolkit above nvcc or
+    /usr/local/cuda."""
     if not re.fullmatch(r"sm_\d{2,3}a?", arch):
         raise ValueError(f"arch must look like sm_80 or sm_90, got {arch!r}")
     nvcc = nvcc or shutil.which("nvcc")
-    if nvcc is None:
+    lib = None
+    if nvrtc:
+        lib = str(find_nvrtc(nvrtc if isinstance(nvrtc, str) else None))
+        homes = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"),
+                 nvcc and str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"]
+        cuda = next((h for h in homes if h and (Path(h) / "include" / "cuda_fp16.h").is_file()),
+                    None)
+        if cuda is None:
+            raise FileNotFoundError("NVRTC needs the CUDA headers (cuda_fp16.h): set "
+                                    "CUDA_PATH to the toolkit")
+    elif nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH; install the CUDA toolkit to build")
     modes = (False, True) if instrumented is None else (instrumented,)
     kdir = kernel_dir()
     sources = [source] if source is not None else list(SOURCES)
     # one nvcc per (source, build, kernel): the jobs run in parallel, one per core (ptxas
-    # on the tensor-core kernels' 255-register instances is most of the time)
-    jobs = [(src, count_io, k, target) for src in sources for count_io in modes
+    # on the tensor-core kernels' 255-register instances is most of the time); NVRTC, as
+    # flashsim.gpu, one program per instance
+    jobs = [(src, count_io, k, target, e) for src in sources for count_io in modes
             for k in SOURCES[src] if (target := source_arch(src, arch)) is not None
-            and runs_on(k, int(re.sub(r"\D", "", target)))]
+            and runs_on(k, int(re.sub(r"\D", "", target)))
+            for e in ([i.expr for i in instances(src) if i.kernel == k] if lib else [None])]
 
-    digest = _sources_digest(kdir) + _nvcc_version(nvcc) if cache else None
+    version = _nvrtc(lib)[1] if lib else _nvcc_version(nvcc)
+    digest = _sources_digest(kdir) + version if cache else None
 
     def compile_one(job, tmp):
-        src, count_io, k, target = job
+        src, count_io, k, target, expr = job
+        if lib:
+            key = None
+            if digest is not None:
+                key = hashlib.sha256(repr((digest, job, cuda)).encode()).hexdigest()
+                hit = _build_cache_dir() / f"{key}.ptxas"
+                if hit.is_file():
+                    return _parse_ptxas(hit.read_text(), src, count_io)
+            opts = ["--std=c++17", f"-I{kdir}", f"-I{cuda}/include", f"-arch={target}",
+                    "--ptxas-options=-v"] + (["-DFLASHSIM_COUNT_IO"] if count_io else [])
+            log = _nvrtc_compile(lib, src, (kdir / src).read_text(), [expr], opts)
+            if key is not None:
+                _cache_put(key, log)
+            return _parse_ptxas(log, src, count_io)
         key = None
         exprs = [i.expr for i in instances(src) if i.kernel == k]
         if digest is not None:
@@ -972,13 +1070,7 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stderr}")
         if key is not None:
-            try:
-                _build_cache_dir().mkdir(parents=True, exist_ok=True)
-                part = _build_cache_dir() / f"{key}.{os.getpid()}.tmp"
-                part.write_text(proc.stderr)
-                part.replace(_build_cache_dir() / f"{key}.ptxas")
-            except OSError:
-                pass                     # a read-only home: no cache, the same result
+            _cache_put(key, proc.stderr)
         return [r for r in _parse_ptxas(proc.stderr, src, count_io) if r.kernel == k]
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -988,6 +1080,16 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             done = list(pool.map(compile_one, jobs, dirs))
     return [r for rows in done for r in rows]
+
+
+def _cache_put(key: str, log: str):
+    try:
+        _build_cache_dir().mkdir(parents=True, exist_ok=True)
+        part = _build_cache_dir() / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        part.write_text(log)
+        part.replace(_build_cache_dir() / f"{key}.ptxas")
+    except OSError:
+        pass                             # a read-only home: no cache, the same result
 
 
 def _parse_ptxas(log: str, source: str, count_io: bool) -> list[BuildRow]:

@@ -630,6 +630,10 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     // visited step i = ilo..ihi (the last cut at Nq) Q_i, dO_i, L_i, D_i in and dQacc_i
     // in and out
     if (ihi >= ilo) bwd_tile_count<T>(io, cols, min(nq, (ihi + 1) * BrB) - ilo * BrB, d, dv);
+    // (dK_j and dV_j, written after the loop, counted here too: the counters' pointer held
+    // across the loop cost NVRTC's varlen build a spill)
+    COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
+    COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));     // SRAM→HBM: dV_j (Bc·dv)
     const int k0 = wk * KW + g;                   // this thread's keys: k0 + {0, 8, 16, 24} (KM = 2)
     // per-thread bases of the ldmatrix addresses (swz_base, or plain for the padded Pᵀ
     // and dSᵀ). Offsets a warp adds at run time (its key group, its half) go into the
@@ -669,13 +673,24 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
     const T* Qs = Q + at_row0(at, p, AT_Q) + sq.q0 * (long long)ldq;
     const T* dOs = dO + at_row0(at, p, AT_dO) + sq.q0 * (long long)lddo;
     __shared__ const T* s_qdo[2];
+    // VL: the sequence's first row of L, D and dQacc in problem p, its slope (VAR) and its
+    // dQ turns (DET), found once here and read in each step from shared memory (held in
+    // registers, or computed again per step from the table, they cost spills)
+    __shared__ long long s_qrow;
+    __shared__ float s_slope;
+    __shared__ int* s_turn;
     if (tid == 0) {
         s_qdo[0] = Qs;
         s_qdo[1] = dOs;
+        if constexpr (VL) {
+            s_qrow = (long long)p * Nq + sq.q0;
+            if constexpr (VAR) s_slope = slopes != nullptr ? slopes[sq.b * gridDim.y + p] : 0.f;
+            if constexpr (DET) s_turn = sem + ((long long)p * sq.tiles + sq.t0);
+        }
     }
-    auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs) {
+    auto load_q_step = [&](int i, int buf, const T* Qs, const T* dOs, long long q_row0) {
         const int i0 = i * BrB, rows = min(BrB, nq - i0);
-        const long long q_row = (long long)p * Nq + sq.q0 + i0;      // of L, D
+        const long long q_row = q_row0 + i0;                         // of L, D
         load_tile<T, D, BrB, THREADS>(sQ + buf * BrB * DS, Qs + (long long)i0 * ldq, ldq, rows, nd);      // HBM→SRAM: Q_i (Br·d)
         load_tile<T, D, BrB, THREADS>(sdO + buf * BrB * DS, dOs + (long long)i0 * lddo, lddo, rows, ndv);  // HBM→SRAM: dO_i (Br·dv)
         // L·log2(e), and +∞ for rows past Nq and rows that see no key (L = −∞): there
@@ -701,7 +716,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         load_tile<T, D, Bc, THREADS>(sK, K + at_row0(at, p, AT_K) + (sq.k0 + j0) * (long long)ldk, ldk, cols, nd);  // HBM→SRAM: K_j (Bc·d)
         load_tile<T, D, Bc, THREADS>(sV, V + at_row0(at, p, AT_V) + (sq.k0 + j0) * (long long)ldv, ldv, cols, ndv);  // HBM→SRAM: V_j (Bc·dv)
         cp_async_commit();
-        load_q_step(ilo, 0, Qs, dOs);
+        load_q_step(ilo, 0, Qs, dOs, (long long)p * Nq + sq.q0);
     }
     for (int i = ilo; i <= ihi; ++i) {
         const int buf = (i - ilo) & 1;
@@ -710,7 +725,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         // still reads buffer buf ^ 1 (step i − 1), Pᵀ or dSᵀ, so step i + 1 may stream in
         cp_async_wait<0>();
         __syncthreads();
-        if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1]);
+        if (i < ihi) load_q_step(i + 1, buf ^ 1, s_qdo[0], s_qdo[1], VL ? s_qrow : (long long)p * Nq + sq.q0);
 
         // 1. Sᵀ and dPᵀ: m = the warp's KW keys (KM m-tiles), n = its BrB/2 queries, k = D
         {
@@ -762,7 +777,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
             VarScores vs{};
             float dist0 = 0.f;
             if constexpr (VAR) {
-                vs = VarScores{k_in, k_out, slopes != nullptr ? slopes[(VL ? seq_again<VL>(vl, DET, Nq, Nk, BrB).b * gridDim.y : 0) + opaque_ctaid_y()] : 0.f};
+                vs = VarScores{k_in, k_out, VL ? s_slope : slopes != nullptr ? slopes[opaque_ctaid_y()] : 0.f};
                 dist0 = (float)(i0 + wh * (BrB / 2) + tig * 2 + (nk - nq) - j0 - k0);
             }
             if constexpr (!VL) {
@@ -897,9 +912,11 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         // 3. dQ_i += scale · dS K_j: m = the warp's 16·MQ queries, n = its D/(8/WQ) columns,
         //    k = Bc keys (.trans: dS from dSᵀ, K_j's rows are keys)
         {
-            const long long q_row = (long long)p * Nq + sq.q0 + i0;
+            const long long q_row = (VL ? s_qrow : (long long)p * Nq + sq.q0) + i0;
             int mine = 0;
-            int* turn = dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
+            // (VL: the turn found after the products, from s_turn: live across them, it
+            // cost NVRTC's build a spill)
+            int* turn = VL ? nullptr : dq_turn<DET, VL>(sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
             float dq[MQ][DQ][4];
 #pragma unroll
             for (int mt = 0; mt < MQ; ++mt)
@@ -921,6 +938,7 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
                     }
                 }
             }
+            if constexpr (VL) turn = dq_turn<DET, VL, true>(DET ? s_turn : sem, vl, p, Nq, Nk, BrB, Bc, i, j, rows, nk, band, &mine);
             if constexpr (DET) wait_turn(turn, mine);
             // VAR: this warp's column tiles below d (warp-uniform: d is a multiple of 8)
             const int tn = VAR ? (opaque(d) >> 3) - (int)(opaque_tid() >> 5) / WQ * DQ : DQ;
@@ -939,9 +957,11 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
         }
     }
     // dK_j = scale · Σ dSᵀ Q, dV_j = Σ Pᵀ dO, per query problem (GQA sums later)
-    // (the table read here, not hoisted above the loop into registers it needs)
-    T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + (sq.k0 + j0) * (long long)lddk;
-    T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + (sq.k0 + j0) * (long long)lddv;
+    // (the table read here, not hoisted above the loop into registers it needs; VL: the
+    // sequence's first key too, which held across the loop cost a spill)
+    const long long kj0 = seq_again<VL>(vl, DET, Nq, Nk, BrB).k0 + j0;
+    T* dKj = dK + at_row0_here(at, opaque_ctaid_y(), AT_dK) + kj0 * lddk;
+    T* dVj = dV + at_row0_here(at, opaque_ctaid_y(), AT_dV) + kj0 * lddv;
 #pragma unroll
     for (int mt = 0; mt < KM; ++mt) {
         const int r0 = k0 + mt * 16, r1 = r0 + 8;
@@ -958,8 +978,6 @@ bwd_tc(FLASHSIM_BWD_PARAMS) {
             }
         }
     }
-    COUNT_IO(io, IO_dK_W, (long long)cols * d * sizeof(T));       // SRAM→HBM: dK_j (Bc·d)
-    COUNT_IO(io, IO_dV_W, (long long)cols * dv * sizeof(T));     // SRAM→HBM: dV_j (Bc·dv)
 }
 
 // dQ by unordered fp32 atomics (sem is not read; pass a null pointer)

@@ -185,13 +185,16 @@ __device__ __forceinline__ void add2(float* x, float a, float b) {
 // number of tiles after j that visit the step, which add first (common.cuh's wait_turn).
 // Dense: one counter per (problem, step); VL: per problem, the sequence's steps from its
 // first. (The problem re-read from the special register: held across the callers' loops
-// it cost a spill.)
-template <bool DET, bool VL>
+// it cost a spill.) HELD (VL): sem is already the sequence's first counter in problem p,
+// which the caller found once (flash2_bwd_tc_det, whose NVRTC build spilled otherwise)
+template <bool DET, bool VL, bool HELD = false>
 __device__ __forceinline__ int* dq_turn(int* sem, const int* vl, int p, int Nq, int Nk, int BrB,
                                         int Bc, int i, int j, int rows, int nk,
                                         const Band& band, int* mine) {
     int* turn = sem + ((long long)opaque_ctaid_y() * ((Nq + BrB - 1) / BrB) + i);
-    if constexpr (DET && VL) {
+    if constexpr (DET && VL && HELD) {
+        turn = sem + i;
+    } else if constexpr (DET && VL) {
         const Seq st = seq_again<VL>(vl, true, Nq, Nk, BrB);
         turn = sem + ((long long)p * st.tiles + st.t0 + i);
     }

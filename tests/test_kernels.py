@@ -79,6 +79,49 @@ def test_every_kernel_compiles_without_spills(arch, kernel_build):
     assert all(r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 for r in rows)
 
 
+def test_nvrtc_builds_the_reference_rung_as_the_launcher_does(tmp_path, monkeypatch):
+    # the runtime's compiler, where a libnvrtc is found (pip install nvidia-cuda-nvrtc, or
+    # FLASHSIM_NVRTC); one program per instance, its ptxas report parsed as nvcc's
+    try:
+        kernels.find_nvrtc()
+    except FileNotFoundError:
+        pytest.skip("no NVRTC library here (pip install nvidia-cuda-nvrtc)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rows = kernels.build("sm_90", source="flash2_ref.cu", instrumented=False, nvrtc=True)
+    assert {(r.kernel, r.dtype) for r in rows} == {
+        (k, dt) for k in kernels.SOURCES["flash2_ref.cu"] for dt in kernels.CUDA_TYPES}
+    assert all(r.registers > 0 and r.stack == 0 and not r.instrumented for r in rows)
+    # kept, then read back: the same rows
+    assert kernels.build("sm_90", source="flash2_ref.cu", instrumented=False, nvrtc=True) == rows
+
+
+def test_nvrtc_named_but_missing_says_so(monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no NVRTC library at /nowhere/libnvrtc.so"):
+        kernels.build("sm_90", nvrtc="/nowhere/libnvrtc.so")
+    monkeypatch.setenv("FLASHSIM_NVRTC", "/nowhere/libnvrtc.so.13")
+    with pytest.raises(FileNotFoundError, match="no NVRTC library at"):
+        kernels.find_nvrtc()
+
+
+def test_a_kernel_built_with_local_memory_warns_and_fails_the_tests():
+    # nvcc's builds are checked above; the NVRTC on a user's machine (or the test device)
+    # may be another version, and its spill is seen only by the loaded kernel's attribute
+    from flashsim.gpu import _device
+
+    class Built:                     # what the loader gets back: a kernel with the attribute
+        def __init__(self, n):
+            self.local_size_bytes = n
+    _device.check_local_memory(Built(0), "flash2_fwd_ws<__half, 128, false, false>")
+    with pytest.warns(fs.gpu.SpillWarning, match=r"flash2_fwd_ws<__half, 128.*\(instrumented\) "
+                      r"uses 8 bytes of local memory"):
+        _device.check_local_memory(Built(8), "flash2_fwd_ws<__half, 128, true, false>", True)
+    # the suite's configuration makes the warning an error, so a GPU test that loads such a
+    # kernel fails
+    import warnings
+    with pytest.raises(fs.gpu.SpillWarning):
+        warnings.warn("spilled", fs.gpu.SpillWarning)
+
+
 def test_the_hopper_source_builds_for_sm_90a_only():
     assert kernels.source_arch("flash2_wg.cu", "sm_90") == "sm_90a"
     assert kernels.source_arch("flash2_wg.cu", "sm_90a") == "sm_90a"

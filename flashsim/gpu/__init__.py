@@ -30,13 +30,13 @@ varlen batches; FlashAttention-1, standard attention and (forward) Saha & Ye's s
 tiles on the reference rung (flash1_ref.cu, standard_ref.cu, square_ref.cu).
 """
 
-from ._device import (GPUUnavailableError, INSTALL_HINT, THREADS, available, compile_options,
-                      emulated, is_emulated, smem_limit)
+from ._device import (GPUUnavailableError, INSTALL_HINT, SpillWarning, THREADS, available,
+                      compile_options, emulated, is_emulated, smem_limit)
 from .flash2 import KERNELS, attention, attention_backward, block_sizes, softmax_max
 from .decode import KVCachePlan, attention_with_kvcache, kvcache_plan
 from .varlen import attention_varlen, attention_varlen_backward
 
-__all__ = ["GPUUnavailableError", "INSTALL_HINT", "KERNELS", "KVCachePlan", "THREADS",
+__all__ = ["GPUUnavailableError", "INSTALL_HINT", "KERNELS", "KVCachePlan", "SpillWarning", "THREADS",
            "attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_with_kvcache", "available", "block_sizes", "compile_options", "emulated",
            "is_emulated", "kvcache_plan", "smem_limit", "softmax_max"]

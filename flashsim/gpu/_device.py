@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,13 @@ INSTALL_HINT = ('pip install "flashsim[cuda12]" (CUDA 12) or "flashsim[cuda13]" 
 
 class GPUUnavailableError(RuntimeError):
     """CuPy is not installed, or no CUDA device is visible."""
+
+
+class SpillWarning(RuntimeWarning):
+    """A kernel as this machine's NVRTC built it keeps data of its threads in local memory
+    (a spill or a stack frame). No flashsim kernel does under nvcc (`flashsim kernels
+    build` fails on it), so another compiler version made it: the launch gives the same
+    results, slower than it should. The test suite makes this warning an error."""
 
 
 _EMULATED = [os.environ.get("FLASHSIM_EMULATE", "0") not in ("", "0")]
@@ -234,6 +242,13 @@ class ArchKernel:
                                     self.kernel.ptr)
 
     @property
+    def local_size_bytes(self) -> int:
+        """Local memory per thread (spills, a stack frame): 0 for every flashsim kernel."""
+        drv = cupy().cuda.driver
+        return drv.funcGetAttribute(getattr(drv, "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES", 3),
+                                    self.kernel.ptr)
+
+    @property
     def max_dynamic_shared_size_bytes(self) -> int:
         drv = cupy().cuda.driver
         return drv.funcGetAttribute(drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -261,7 +276,28 @@ def kernel_on(name: str, dtype: str, count_io: bool, D: int | None, device: int,
               variant: bool = False, varlen: bool = False):
     inst = K.instance(name, dtype, D, variant, varlen)
     one = None if is_emulated() else (inst.expr,)
-    return module(inst.source, count_io, device, one).get_function(inst.expr)
+    fn = module(inst.source, count_io, device, one).get_function(inst.expr)
+    if not is_emulated():
+        check_local_memory(fn, inst.expr, count_io)
+    return fn
+
+
+def check_local_memory(fn, expr: str, count_io: bool = False):
+    """A SpillWarning where the built kernel ``fn`` (a CuPy RawKernel or an ArchKernel)
+    uses local memory: nvcc's builds of every instance use none (tests/test_kernels.py),
+    but the NVRTC that builds them here may be another version, and a spill there is
+    seen nowhere else. Checked once per kernel (kernel_on's cache)."""
+    n = fn.local_size_bytes
+    if n:
+        try:
+            from cupy_backends.cuda.libs import nvrtc
+            version = "NVRTC " + ".".join(map(str, nvrtc.getVersion()))
+        except Exception:          # (the message only)
+            version = "this NVRTC"
+        warnings.warn(f"{expr}{' (instrumented)' if count_io else ''} uses {n} bytes of local "
+                      f"memory per thread as {version} built it (spilled registers or a "
+                      "stack frame): its results are right, its speed is not what "
+                      "kernels_cu/NOTES.md measured", SpillWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
