@@ -309,3 +309,8 @@ def test_bench_redraws_a_saved_run_and_checks_its_options(capsys, tmp_path):
         main(["bench", "--ds", "sixty-four"])
     with pytest.raises(SystemExit):
         main(["bench", "--causal", "maybe"])
+
+
+def test_kernels_build_with_an_nvrtc_that_is_not_there_says_so(capsys):
+    code, out, err = run(capsys, "kernels", "build", "--nvrtc", "/nowhere/libnvrtc.so.13")
+    assert code == 2 and "no NVRTC library at /nowhere/libnvrtc.so.13" in err
