@@ -11,7 +11,8 @@ a card at its power limit rather than its neighbour's, and the events time the G
 work, as in a training loop whose host runs ahead; the host's time per call is reported
 apart; --idle starts each window on an idle stream instead, host time included), on inputs
 several times the L2 size:
-flashsim's kernels (`fs.gpu`: wg, the Hopper forward; tc; ref), a dense CuPy attention
+flashsim's kernels (`fs.gpu`: auto, the one it picks for the GPU and shape; wg, the Hopper
+rung; tc; ref), a dense CuPy attention
 (matmul, softmax, matmul; float16 only, CuPy has no bfloat16), and PyTorch SDPA's flash, cuDNN,
 efficient and math backends when PyTorch is present. Grid (each part can be chosen): float16 and
 bfloat16; d ∈ {64, 96, 128, 192, 256} (the fast rungs' instances and two head dims between
@@ -146,6 +147,42 @@ def _dtypes(text):
     return out
 
 
+# the implementations beside flashsim's kernels (flashsim-KERNEL), as --only names them
+OTHERS = ("dense-cupy", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+
+
+def _kernels(text):
+    from flashsim.gpu.flash2 import KERNELS
+    out = text.split(",")
+    bad = [x for x in out if x not in KERNELS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: flashsim's kernels are "
+                                         f"{', '.join(KERNELS)}")
+    return out
+
+
+def _only(text):
+    from flashsim.gpu.flash2 import KERNELS
+    out = text.split(",")
+    known = [f"flashsim-{k}" for k in KERNELS] + list(OTHERS)
+    bad = [x for x in out if x not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: the implementations are "
+                                         f"{', '.join(known)}")
+    return set(out)
+
+
+def _ns(text):
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: --ns takes sequence lengths such as "
+                                         "2048,4096")
+    return out
+
+
 def main(argv=None, default_out: str = "bench", prog: str | None = None):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
@@ -169,22 +206,29 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                     help="time with the causal mask, without, or both (default)")
     ap.add_argument("--json", action="store_true",
                     help="print every timed row as JSON on stdout at the end")
-    ap.add_argument("--kernels", default="wg,tc,ref",
-                    help="flashsim kernels to time, comma-separated: wg (Hopper forward; "
-                         "skipped on other GPUs), tc, ref")
+    ap.add_argument("--kernels", default="auto,wg,tc,ref", type=_kernels,
+                    help="flashsim kernels to time, comma-separated (default: all): auto "
+                         "(the one fs.gpu.attention picks for the GPU and shape), wg (the "
+                         "Hopper rung; skipped on other GPUs), tc, ref")
     ap.add_argument("--plot-only", metavar="BENCH_JSON", default=None,
                     help="redraw bench.png from a saved bench.json (no GPU needed)")
     ap.add_argument("--ref-max-n", type=int, default=1024,
                     help="time the reference kernels (about 1 TFLOP/s) only up to this N")
-    ap.add_argument("--ns", default=None, help="sequence lengths N to time, comma-separated "
-                    "(default: 512 to 16384)")
+    ap.add_argument("--ns", default=None, type=_ns, help="sequence lengths N to time, "
+                    "comma-separated (default: 512 to 16384)")
     ap.add_argument("--idle", action="store_true",
                     help="time each call on an idle stream after a synchronize, its host-side "
                          "launch cost included (default: queued behind its settling calls, "
                          "the GPU's time alone; host time per call is reported apart)")
-    ap.add_argument("--only", default=None, help="implementations to time, comma-separated "
-                    "(default: all)")
+    ap.add_argument("--only", default=None, type=_only,
+                    help="implementations to time, comma-separated (default: all): "
+                         "flashsim-KERNEL for each of --kernels, " + ", ".join(OTHERS))
     a = ap.parse_args(argv)
+    left = sorted(x for x in a.only or () if x.startswith("flashsim-")
+                  and x[len("flashsim-"):] not in a.kernels)
+    if left:
+        ap.error(f"--only names {left[0]}, which --kernels ({','.join(a.kernels)}) does not "
+                 f"time: add {left[0][len('flashsim-'):]} to --kernels")
     if a.plot_only:
         data = json.load(open(a.plot_only))
         return plot(data["rows"], data["meta"], os.path.splitext(a.plot_only)[0] + ".png")
@@ -206,7 +250,7 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
     except ImportError:
         have_torch = False
     os.makedirs(a.out, exist_ok=True)
-    only = set(a.only.split(",")) if a.only else None
+    only = a.only
 
     def want(name):
         return only is None or name in only
@@ -214,7 +258,7 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
     gpu = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
     Ns = [1024, 4096, 16384] if a.quick else [512, 1024, 2048, 4096, 8192, 16384]
     if a.ns:
-        Ns = [int(x) for x in a.ns.split(",")]
+        Ns = a.ns
     dtypes = ["float16"] if a.quick else ["float16", "bfloat16"]
     if a.dtypes:
         dtypes = a.dtypes
@@ -279,7 +323,7 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
         # of each before rep r + 1 of any, so a slow spell of the GPU (clocks,
         # a neighbour) lands on all of them alike and the ratios stay fair
         fns = {}     # (name, "fwd"|"bwd") -> (fn, context factory or None)
-        for kern in a.kernels.split(","):
+        for kern in a.kernels:
             if not want(f"flashsim-{kern}") or (kern == "ref" and N > a.ref_max_n):
                 continue
             try:

@@ -311,6 +311,21 @@ def test_bench_redraws_a_saved_run_and_checks_its_options(capsys, tmp_path):
         main(["bench", "--causal", "maybe"])
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--kernels", "wgmma"], "'wgmma': flashsim's kernels are auto, ref, tc, wg"),
+    (["--only", "sdpa-flash,cudnn"], "'cudnn': the implementations are flashsim-auto"),
+    (["--kernels", "tc", "--only", "flashsim-auto,sdpa-cudnn"],
+     "--only names flashsim-auto, which --kernels (tc) does not time: add auto to --kernels"),
+    (["--ns", "2k"], "--ns takes sequence lengths"),
+    (["--ns", "4096,0"], "--ns takes sequence lengths"),
+])
+def test_bench_checks_its_kernels_and_implementations_before_looking_for_a_gpu(capsys, args, says):
+    # a name it does not know would otherwise time nothing of it, shape after shape
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_kernels_build_with_an_nvrtc_that_is_not_there_says_so(capsys):
     code, out, err = run(capsys, "kernels", "build", "--nvrtc", "/nowhere/libnvrtc.so.13")
     assert code == 2 and "no NVRTC library at /nowhere/libnvrtc.so.13" in err
