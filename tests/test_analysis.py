@@ -360,3 +360,41 @@ def test_head_dims_table_rebuilds_from_the_committed_benchmark(tmp_path):
     # every head dim of the grid has its summary row
     ds = sorted({r["d"] for r in rows})
     assert all(f"\n| {d} | " in out.read_text() for d in ds)
+
+
+NCU_SOURCE = '''"Kernel Name","void k1<__half, (int)128, (bool)0>(wg::TensorMap, const int *, T1 *)",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed","stall_wait","stall_barrier","stall_wait (Not Issued)"
+"0x10","      MUFU.EX2 R1, R1","10","5","1000","6","0","3"
+"0x20","@!P0  BRA 0x10","4","0","500000","0","1","0"
+"0x30","      MUFU.RCP R2, R2","2","0","1000","2","0","0"
+"Kernel Name","cudnn_sdpa_fprop_kernel0",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed","stall_wait","stall_barrier","stall_wait (Not Issued)"
+"0x10","      FADD.FTZ R1, R1, R2","1","0","2000","1","0","0"
+'''
+
+
+def test_ncu_compare_sets_two_kernels_side_by_side(tmp_path, capsys):
+    import gzip
+    mod = load("ncu_compare")
+    src = tmp_path / "src.csv.gz"
+    src.write_bytes(gzip.compress(NCU_SOURCE.encode()))
+    kernels = mod.read_source(src)
+    assert [mod.short_name(n) for n, _ in kernels] == ["k1<__half, 128, 0>", "cudnn_sdpa_fprop_kernel0"]
+    ops = mod.by_opcode(kernels[0][1])
+    assert ops["MUFU"]["executed"] == 2000 and ops["MUFU"]["samples"] == 12
+    assert ops["MUFU"]["reasons"] == {"wait": 8, "unnamed": 4}    # the not-issued column is a share of wait
+    assert ops["BRA"]["reasons"] == {"barrier": 1, "unnamed": 3}  # samples no column names
+    out = tmp_path / "cmp.md"
+    assert mod.main([str(src), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| stall samples | 16 | 1 |" in text
+    assert "| `MUFU` | 0.00 M, 12 (wait 8, unnamed 4) | – |" in text
+    assert "| `FADD` | – | 0.00 M, 1 (wait 1) |" in text
+
+
+def test_ncu_compare_says_what_page_it_needs(tmp_path, capsys):
+    mod = load("ncu_compare")
+    details_page = tmp_path / "details.csv"
+    details_page.write_text('"ID","Kernel Name","Metric Name","Metric Value"\n"0","k","Duration","1"\n')
+    assert mod.main([str(details_page)]) == 2
+    assert "--page source --csv --print-source sass" in capsys.readouterr().err
