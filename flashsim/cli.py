@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     kb.add_argument("--no-cache", action="store_true",
                     help="compile everything again rather than reuse ptxas's reports kept "
                          "under ~/.cache/flashsim/build (keyed by nvcc's version, the "
-                         "command and every kernel source and header)")
+                         "command, and each kernel's source with the headers it includes)")
     return p
 
 

@@ -914,12 +914,30 @@ def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
 
 
-def _sources_digest(kdir: Path) -> str:
-    """Every kernel source and header: an instance's build depends on any of them."""
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def includes(src: str, kdir: Path | None = None) -> list[str]:
+    """``src`` and the project headers it includes, directly or through another header
+    (its `#include "…"` lines, in kernels_cu; the CUDA headers are the toolkit's version,
+    which the cache key holds apart), sorted."""
+    kdir = kdir or kernel_dir()
+    seen, todo = set(), [src]
+    while todo:
+        name = todo.pop()
+        if name in seen or not (kdir / name).is_file():
+            continue
+        seen.add(name)
+        todo += _INCLUDE.findall((kdir / name).read_text())
+    return sorted(seen)
+
+
+def _source_digest(kdir: Path, src: str) -> str:
+    """A source and the headers it includes: what its builds depend on, so that editing
+    one kernel file rebuilds its own instances alone."""
     h = hashlib.sha256()
-    for f in sorted(kdir.iterdir()):
-        if f.suffix in (".cu", ".cuh", ".h"):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for name in includes(src, kdir):
+        h.update(name.encode() + b"\0" + (kdir / name).read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -993,8 +1011,9 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
     registers, static shared memory, stack and spill bytes per instance. Raises
     RuntimeError with the compiler's output if anything fails to compile. ``cache``:
     ptxas's report of each compilation is kept under ~/.cache/flashsim/build, keyed by the
-    nvcc version, the command, the instances and every kernel source and header, so an
-    unchanged build (the test suite's, then `flashsim kernels build`'s) compiles once.
+    nvcc version, the command, the instances, and the kernel's source with the headers it
+    includes (`includes`), so an unchanged build (the test suite's, then `flashsim kernels
+    build`'s) compiles once, and an edit to one source rebuilds that source's instances.
 
     ``nvrtc``: build with NVRTC instead, the compiler that flashsim.gpu builds the kernels
     with on the GPU's machine, one instance per program with the same options as there
@@ -1029,10 +1048,11 @@ def build(arch: str = "sm_90", *, nvcc: str | None = None, source: str | None = 
             for e in ([i.expr for i in instances(src) if i.kernel == k] if lib else [None])]
 
     version = _nvrtc(lib)[1] if lib else _nvcc_version(nvcc)
-    digest = _sources_digest(kdir) + version if cache else None
+    digests = {src: _source_digest(kdir, src) + version for src in sources} if cache else {}
 
     def compile_one(job, tmp):
         src, count_io, k, target, expr = job
+        digest = digests.get(src)
         if lib:
             key = None
             if digest is not None:

@@ -183,8 +183,9 @@ def test_the_launch_tables_registers_give_each_builds_occupancy(arch, kernel_bui
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_the_build_cache_reuses_reports_until_a_source_changes(tmp_path, monkeypatch):
-    """kernels.build keeps ptxas's report per compilation, keyed by every source and
-    header: a second build compiles nothing; an edit to a shared header compiles again."""
+    """kernels.build keeps ptxas's report per compilation, keyed by the source and the
+    headers it includes: a second build compiles nothing; an edit to a header it includes
+    compiles again; an edit to another kernel's source or header does not."""
     import shutil as sh
     kdir = tmp_path / "kernels_cu"
     sh.copytree(kernels.kernel_dir(), kdir)
@@ -204,6 +205,21 @@ def test_the_build_cache_reuses_reports_until_a_source_changes(tmp_path, monkeyp
     assert kernels.build("sm_80", source="square_ref.cu", instrumented=False) == first
     assert len([c for c in calls if "-cubin" in c]) == n
     assert len(list(cached.iterdir())) == 2 * n
+    for other in ("flash2_tc.cu", "wgmma.cuh"):              # not square_ref.cu's
+        (kdir / other).write_text((kdir / other).read_text() + "\n// edited\n")
+    assert kernels.build("sm_80", source="square_ref.cu", instrumented=False) == first
+    assert len([c for c in calls if "-cubin" in c]) == n
+
+
+def test_a_source_depends_on_the_headers_it_includes():
+    inc = {src: kernels.includes(src) for src in kernels.SOURCES}
+    assert inc["square_ref.cu"] == ["common.cuh", "square_ref.cu"]
+    # through a chain of headers: flash2_ws.cu → wg_bwd.cuh → wgmma.cuh → tensor_core.cuh
+    assert inc["flash2_ws.cu"] == ["common.cuh", "flash2_ws.cu", "tensor_core.cuh",
+                                   "wg_bwd.cuh", "wgmma.cuh"]
+    assert "wgmma.cuh" not in inc["flash2_tc.cu"] and "warp.cuh" in inc["flash2_tc.cu"]
+    for src, names in inc.items():                # every source includes the common header
+        assert src in names and "common.cuh" in names
 
 
 def test_each_rung_picks_its_own_instance_of_a_head_dim():
