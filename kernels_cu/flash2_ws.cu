@@ -433,8 +433,9 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // (nb + n) % STAGES, whose parity the waits name): S_j and P_{j−1} V_{j−1} issued
         // together; K's slot freed once S_j is done, V's once the second product is. (ptxas
         // places the wait for the second product above the softmax: NOTES v43.)
-        auto slot = [&](int j) { return (nb + j - jlo) % STAGES; };
-        auto parity = [&](int j) { return (unsigned)((nb + j - jlo) / STAGES) & 1; };
+        // (unsigned: no sign fix-ups on the path from a step's top to its waits)
+        auto slot = [&](int j) { return (int)((unsigned)(nb + j - jlo) % STAGES); };
+        auto parity = [&](int j) { return (unsigned)(nb + j - jlo) / STAGES & 1; };
         mbar_wait(fullQ(kq & 1), (kq >> 1) & 1);
         // this warpgroup's steps: jlo … wl (none where wl < jlo); the producer frees the
         // slots of the rest for it, and it takes their turns after its epilogue
@@ -469,8 +470,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         };
         for (int j = jlo + 1; j <= wl; ++j) {
             const int sn = slot(j), sp = slot(j - 1);
-            mbar_wait(fullK(sn), parity(j));
-            mbar_wait(fullV(sp), parity(j - 1));
+            mbar_wait2(fullK(sn), parity(j), fullV(sp), parity(j - 1));
             fence_regs<Bc / 2>(s);
             fence_regs<D / 2>(o);
             turn_wait();

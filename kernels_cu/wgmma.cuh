@@ -226,6 +226,18 @@ FLASHSIM_WGMMA_RS_96(__half, "f16")
 FLASHSIM_WGMMA_RS_96(__nv_bfloat16, "bf16")
 
 // -- the forwards' online softmax on a warpgroup's S (flash2_fwd_wg, flash2_fwd_ws) -------
+// h[t] = max(h[t], h[t + W]) (MAX = false: min), halving W down to 1: two rows' max of
+// h[0 … 2W − 1] in h[0], as a tree of independent compares
+template <int W, bool MAX = true> __device__ __forceinline__ void fold_max(float* h0, float* h1) {
+    if constexpr (W > 0) {
+#pragma unroll
+        for (int t = 0; t < W; ++t) {
+            h0[t] = MAX ? fmaxf(h0[t], h0[t + W]) : fminf(h0[t], h0[t + W]);
+            h1[t] = MAX ? fmaxf(h1[t], h1[t + W]) : fminf(h1[t], h1[t + W]);
+        }
+        fold_max<W / 2, MAX>(h0, h1);
+    }
+}
 // The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
 // ragged keys and the band's edge masked to −∞ where the tile needs it. SPLIT (the online
 // softmax's callers): ALiBi alone in a pass of its own, below
@@ -288,12 +300,19 @@ __device__ __forceinline__ void wg_softmax(float* s, float& m0, float& m1, float
     float ms0 = m0, ms1 = m1;                // FIXED: the caller's max, and α = 1
     a0 = a1 = 1.f;
     if constexpr (!FIXED) {
-        float mx0 = m0, mx1 = m1;
+        // the row max of the raw scores in a tree, then scaled once (NOTES v85): rounding
+        // x·sl2 is monotone in x, so this is the max of the scaled scores bit for bit, with
+        // Bc/4 multiplies fewer and a chain of log2(Bc/4) compares, not Bc/8 compare-multiplies.
+        // A negative scale (sl2 < 0) takes the raw scores' min
+        float h0[Bc / 4], h1[Bc / 4];
 #pragma unroll
         for (int t = 0; t < Bc / 8; ++t) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]) * sl2);
-            mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]) * sl2);
+            h0[2 * t] = s[4 * t], h0[2 * t + 1] = s[4 * t + 1];
+            h1[2 * t] = s[4 * t + 2], h1[2 * t + 1] = s[4 * t + 3];
         }
+        if (sl2 >= 0.f) fold_max<Bc / 8>(h0, h1);
+        else fold_max<Bc / 8, false>(h0, h1);
+        float mx0 = fmaxf(m0, h0[0] * sl2), mx1 = fmaxf(m1, h1[0] * sl2);
         quad_max(mx0, mx1);              // the 4 threads of a quad share a row
         ms0 = mx0 == neg_inf<float>() ? 0.f : mx0;   // no key yet: exp2(−∞) = 0
         ms1 = mx1 == neg_inf<float>() ? 0.f : mx1;
@@ -461,6 +480,20 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
+}
+// both phases, their first tests issued together: a test's answer takes a round trip
+// through the barrier's unit, and two tests one after the other (each waited for by its
+// branch) cost two (the copy-engine forward's consumers wait for K_j and V_{j−1} at a step's top;
+// NOTES v85)
+__device__ __forceinline__ void mbar_wait2(unsigned a, unsigned pa, unsigned b, unsigned pb) {
+    unsigned da, db;
+    asm volatile("{\n.reg .pred p, q;\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%2], %3;\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 q, [%4], %5;\n"
+                 "selp.u32 %0, 1, 0, p;\nselp.u32 %1, 1, 0, q;\n}\n"
+                 : "=r"(da), "=r"(db) : "r"(a), "r"(pa), "r"(b), "r"(pb) : "memory");
+    if (!da) mbar_wait(a, pa);
+    if (!db) mbar_wait(b, pb);
 }
 // one box of a 3-D tensor map (coordinates innermost first) into shared memory at dst,
 // completing `bytes` of bar's phase; rows outside the tensor arrive as zeros and still

@@ -294,6 +294,36 @@ def test_fully_masked_rows_and_large_logits(poisoned, dtype):
     assert (dq[..., :90, :] == 0).all()
 
 
+@pytest.mark.parametrize("kernel", ["ref"] + FAST_RUNGS)
+def test_a_negative_scale(poisoned, kernel):
+    # the fast kernels mask a score to −∞ before they scale it, so a negative scale runs
+    # on −q (flash2.negated) and the backward negates dq back: checked where masks bite
+    # (ragged tiles, causal) against float64, by FlashAttention's rules
+    dtype, scale = "float16", -0.15
+    rng = np.random.default_rng(5)
+    rnd = make_precision("kernel", dtype).io_round
+    q = rnd(rng.standard_normal((1, 2, 150, 64))).astype(np.float64)
+    k, v = (rnd(rng.standard_normal((1, 2, 200, 64))).astype(np.float64) for _ in range(2))
+    dout = rnd(rng.standard_normal((1, 2, 150, 64))).astype(np.float64)
+    qd, kd, vd, dod = (dev(x, dtype) for x in (q, k, v, dout))
+    for causal in (False, True):
+        out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, scale=scale, kernel=kernel)
+        o, L = host(out), host(lse)
+        ref_o, ref_l = fs.attention_reference(q, k, v, causal=causal, scale=scale)
+        errs = same_dtype_errors(q, k, v, ref_o, io_dtype=dtype, causal=causal, scale=scale,
+                                 dout=dout, ref_grads=fs.attention_backward_reference(
+                                     q, k, v, dout, causal=causal, scale=scale))
+        assert np.abs(o - ref_o).max() <= 2 * errs[0] + EPS[dtype] * np.abs(ref_o).max()
+        np.testing.assert_allclose(L, ref_l, rtol=1e-5, atol=1e-4)
+        grads = map(host, fs.gpu.attention_backward(qd, kd, vd, out, lse, dod, causal=causal,
+                                                    scale=scale, kernel=kernel))
+        ref = fs.attention_backward_reference(q, k, v, dout, causal=causal, scale=scale)
+        mags = grad_magnitudes(q, k, v, o, dout, causal=causal, scale=scale)
+        for n, (g, r) in enumerate(zip(grads, ref)):
+            err = np.abs(g - r).max()
+            assert err <= 3 * errs[1 + n] + 4 * EPS[dtype] * mags[n], (n, err, errs[1 + n])
+
+
 def test_numpy_in_cupy_out_and_errors():
     import cupy as cp
     rng = np.random.default_rng(4)

@@ -21,6 +21,7 @@ from ..kvcache import make_layout, num_splits_heuristic
 from ..problem import check_scale, check_size
 from ..tiling import cdiv
 from . import _arrays as arrays, _device as dev
+from .flash2 import negated
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     rows copied back."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
+    q, scale, _ = negated(q, scale)
     with arrays.stream(q):
         pr = _problem(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
         plan = _plan(pr, num_splits, cluster)

@@ -170,6 +170,19 @@ def _asked(window, softcap, alibi_slopes) -> str | None:
     return ", ".join(names) or None
 
 
+def negated(q, scale):
+    """(q, scale, False), or (−q, −scale, True) where ``scale`` is negative. The fast
+    kernels set a masked score to −∞ before they scale it, which a negative scale would
+    turn into +∞ (NaN out); S·scale = ((−Q)Kᵀ)·(−scale) exactly (a sign is exact), so
+    such a launch runs on −q, the same bits, and a backward negates dq back."""
+    if scale is None or not check_scale(scale, 1) < 0:
+        return q, scale, False
+    try:
+        return -q, -check_scale(scale, 1), True
+    except TypeError:            # not an array: the checks that follow say what q must be
+        return q, scale, False
+
+
 def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int, int]:
     """The reference flash2 kernels' (Br, Bc): ``block_sizes`` checked against the
     device's shared memory, or the largest square tile that fits."""
@@ -276,6 +289,7 @@ def attention(q, k, v, *, causal: bool = False, scale=None, window=None, softcap
                                       scale=scale, window=window, softcap=softcap,
                                       alibi_slopes=alibi_slopes, block_sizes=block_sizes,
                                       count_io=count_io)
+    q, scale, _ = negated(q, scale)
     plain = _asked(window, softcap, alibi_slopes) is None
     if plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg"):
         fast = _torch_forward(q, k, v, causal, scale, kernel)
@@ -398,18 +412,20 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
                                        causal=causal, scale=scale, window=window,
                                        softcap=softcap, alibi_slopes=alibi_slopes,
                                        block_sizes=block_sizes, count_io=count_io)
+    q, scale, flip = negated(q, scale)
     plain = _asked(window, softcap, alibi_slopes) is None
+    grads = None
     if (plain and not count_io and block_sizes is None and kernel in ("auto", "tc", "wg")
             and not deterministic):
-        fast = _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel)
-        if fast is not None:
-            return fast
-    with arrays.stream(q):
-        return _attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
-                                   window=window, softcap=softcap,
-                                   alibi_slopes=alibi_slopes, block_sizes=block_sizes,
-                                   count_io=count_io, kernel=kernel,
-                                   deterministic=deterministic)
+        grads = _torch_backward(q, k, v, out, lse, dout, causal, scale, kernel)
+    if grads is None:
+        with arrays.stream(q):
+            grads = _attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale,
+                                        window=window, softcap=softcap,
+                                        alibi_slopes=alibi_slopes, block_sizes=block_sizes,
+                                        count_io=count_io, kernel=kernel,
+                                        deterministic=deterministic)
+    return (-grads[0], *grads[1:]) if flip else grads
 
 
 def saved(cp, shape: Shape, dtype: str, out, lse, dout):

@@ -32,7 +32,8 @@ from ..problem import Shape, check_scale
 from ..varlen import _check_batches, _slopes_per_sequence, check_cu_seqlens
 from ..variants import check_softcap, make_band
 from . import _arrays as arrays, _device as dev
-from .flash2 import LOG2E, _asked, _blocks, _choose, _fast_variants, _instance, _tc_tiles
+from .flash2 import (LOG2E, _asked, _blocks, _choose, _fast_variants, _instance, _tc_tiles,
+                     negated)
 
 
 def _host_ints(name: str, x) -> np.ndarray:
@@ -153,6 +154,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     least the longest sequence. ``alibi_slopes``: (Hq,) or (batch, Hq). ``kernel``: as
     in `flashsim.gpu.attention` ("auto", "wg", "tc" or "ref"); the fast rungs' tiles are
     ``fs.gpu.block_sizes(q, v, varlen=True)``."""
+    q, scale, _ = negated(q, scale)
     with arrays.stream(q):
         return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         causal, scale, window, softcap, alibi_slopes, block_sizes,
@@ -213,10 +215,12 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     run)."""
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+    q, scale, flip = negated(q, scale)
     with arrays.stream(q):
-        return _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
-                         block_sizes, count_io, kernel, deterministic)
+        grads = _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
+                          block_sizes, count_io, kernel, deterministic)
+    return (-grads[0], *grads[1:]) if flip else grads
 
 
 def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
