@@ -174,13 +174,27 @@ def negated(q, scale):
     """(q, scale, False), or (−q, −scale, True) where ``scale`` is negative. The fast
     kernels set a masked score to −∞ before they scale it, which a negative scale would
     turn into +∞ (NaN out); S·scale = ((−Q)Kᵀ)·(−scale) exactly (a sign is exact), so
-    such a launch runs on −q, the same bits, and a backward negates dq back."""
+    such a launch runs on −q, the same bits, and a backward negates dq back (`flip_sign`)."""
     if scale is None or not check_scale(scale, 1) < 0:
         return q, scale, False
+    nq = flip_sign(q)
+    # (not an array: the checks that follow say what q must be)
+    return (q, scale, False) if nq is None else (nq, -check_scale(scale, 1), True)
+
+
+def flip_sign(x):
+    """−x for a PyTorch tensor or a NumPy or CuPy array (where its dtype has no
+    arithmetic, its sign bit flipped through an unsigned view); None for anything else."""
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return None
     try:
-        return -q, -check_scale(scale, 1), True
-    except TypeError:            # not an array: the checks that follow say what q must be
-        return q, scale, False
+        return -x
+    except Exception:
+        if not hasattr(x, "view") or getattr(dt, "itemsize", 0) not in (2, 4, 8):
+            return None
+        bits = np.dtype(f"uint{8 * dt.itemsize}")
+        return (x.view(bits) ^ bits.type(1 << (8 * dt.itemsize - 1))).view(dt)
 
 
 def _blocks(block_sizes, shape: Shape, dtype: str, backward: bool) -> tuple[int, int]:
@@ -425,7 +439,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale=N
                                         alibi_slopes=alibi_slopes, block_sizes=block_sizes,
                                         count_io=count_io, kernel=kernel,
                                         deterministic=deterministic)
-    return (-grads[0], *grads[1:]) if flip else grads
+    return (flip_sign(grads[0]), *grads[1:]) if flip else grads
 
 
 def saved(cp, shape: Shape, dtype: str, out, lse, dout):

@@ -33,7 +33,7 @@ from ..varlen import _check_batches, _slopes_per_sequence, check_cu_seqlens
 from ..variants import check_softcap, make_band
 from . import _arrays as arrays, _device as dev
 from .flash2 import (LOG2E, _asked, _blocks, _choose, _fast_variants, _instance, _tc_tiles,
-                     negated)
+                     flip_sign, negated)
 
 
 def _host_ints(name: str, x) -> np.ndarray:
@@ -220,7 +220,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
         grads = _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
                           block_sizes, count_io, kernel, deterministic)
-    return (-grads[0], *grads[1:]) if flip else grads
+    return (flip_sign(grads[0]), *grads[1:]) if flip else grads
 
 
 def _backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
