@@ -310,14 +310,13 @@ def test_a_negative_scale(poisoned, kernel):
         out, lse = fs.gpu.attention(qd, kd, vd, causal=causal, scale=scale, kernel=kernel)
         o, L = host(out), host(lse)
         ref_o, ref_l = fs.attention_reference(q, k, v, causal=causal, scale=scale)
+        ref = fs.attention_backward_reference(q, k, v, dout, causal=causal, scale=scale)
         errs = same_dtype_errors(q, k, v, ref_o, io_dtype=dtype, causal=causal, scale=scale,
-                                 dout=dout, ref_grads=fs.attention_backward_reference(
-                                     q, k, v, dout, causal=causal, scale=scale))
+                                 dout=dout, ref_grads=ref)
         assert np.abs(o - ref_o).max() <= 2 * errs[0] + EPS[dtype] * np.abs(ref_o).max()
         np.testing.assert_allclose(L, ref_l, rtol=1e-5, atol=1e-4)
         grads = map(host, fs.gpu.attention_backward(qd, kd, vd, out, lse, dod, causal=causal,
                                                     scale=scale, kernel=kernel))
-        ref = fs.attention_backward_reference(q, k, v, dout, causal=causal, scale=scale)
         mags = grad_magnitudes(q, k, v, o, dout, causal=causal, scale=scale)
         for n, (g, r) in enumerate(zip(grads, ref)):
             err = np.abs(g - r).max()
