@@ -222,6 +222,22 @@ def test_a_source_depends_on_the_headers_it_includes():
         assert src in names and "common.cuh" in names
 
 
+def test_the_gpu_build_cache_key_holds_the_headers_a_source_includes(tmp_path, monkeypatch):
+    # flashsim.gpu keys a source's NVRTC builds by its text and this digest: an edit to a
+    # header it includes (through another) must change it, one to any other header not
+    from flashsim.gpu import _device
+    (tmp_path / "a.cu").write_text('#include "x.cuh"\n')
+    (tmp_path / "x.cuh").write_text('#include "y.cuh"\n')
+    (tmp_path / "y.cuh").write_text("// y\n")
+    (tmp_path / "z.cuh").write_text("// z\n")
+    monkeypatch.setattr(kernels, "kernel_dir", lambda: tmp_path)
+    a, every = _device.headers_digest("a.cu"), _device.headers_digest()
+    (tmp_path / "z.cuh").write_text("// z, edited\n")
+    assert _device.headers_digest("a.cu") == a and _device.headers_digest() != every
+    (tmp_path / "y.cuh").write_text("// y, edited\n")
+    assert _device.headers_digest("a.cu") != a
+
+
 def test_each_rung_picks_its_own_instance_of_a_head_dim():
     # the tc backward has D = 160 and 192 instances on 9.0; on Ampere, whose A100 cannot
     # hold their steps of 64, D = 192 takes steps of 32 and runs d = 160 too; d = 224 runs

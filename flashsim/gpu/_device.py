@@ -129,11 +129,19 @@ def compile_options(count_io: bool) -> tuple[str, ...]:
     return opts + (("-DFLASHSIM_COUNT_IO",) if count_io else ())
 
 
-def headers_digest() -> str:
-    """A digest of kernels_cu/*.cuh. CuPy keys its on-disk kernel cache by the source text
-    it is given, not by the headers that text includes, so the source carries this."""
-    text = "".join(p.read_text() for p in sorted(K.kernel_dir().glob("*.cuh")))
-    return hashlib.sha256(text.encode()).hexdigest()[:40]
+def headers_digest(source: str | None = None) -> str:
+    """A digest of the kernels_cu headers that ``source`` includes, directly or through
+    another header (kernels.includes), or of every kernels_cu/*.cuh without a source (code
+    given as text). CuPy keys its on-disk kernel cache by the source text it is given, not
+    by the headers that text includes, so the source carries this: an edit to a header
+    rebuilds the sources that include it, and those alone."""
+    kdir = K.kernel_dir()
+    names = ([n for n in K.includes(source, kdir) if n != source] if source
+             else sorted(p.name for p in kdir.glob("*.cuh")))
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode() + b"\0" + (kdir / n).read_bytes() + b"\0")
+    return h.hexdigest()[:40]
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +152,7 @@ def module(source: str, count_io: bool, device: int, exprs: tuple | None = None)
     hundred), and a first call should not wait for all of them. The CPU emulation builds
     a source whole."""
     cp = cupy()
-    code = (K.kernel_dir() / source).read_text() + f"\n// headers: {headers_digest()}\n"
+    code = (K.kernel_dir() / source).read_text() + f"\n// headers: {headers_digest(source)}\n"
     if source in K.ARCH_SPECIFIC:
         if is_emulated():
             raise GPUUnavailableError(f"{source} ({K.ARCH_SPECIFIC[source]}) is not emulated: "
