@@ -175,11 +175,10 @@ def negated(q, scale):
     kernels set a masked score to −∞ before they scale it, which a negative scale would
     turn into +∞ (NaN out); S·scale = ((−Q)Kᵀ)·(−scale) exactly (a sign is exact), so
     such a launch runs on −q, the same bits, and a backward negates dq back (`flip_sign`)."""
-    if scale is None or not check_scale(scale, 1) < 0:
-        return q, scale, False
-    nq = flip_sign(q)
-    # (not an array: the checks that follow say what q must be)
-    return (q, scale, False) if nq is None else (nq, -check_scale(scale, 1), True)
+    s = None if scale is None else check_scale(scale, 1)
+    nq = flip_sign(q) if s is not None and s < 0 else None
+    # (scale ≥ 0, or q not an array: the checks that follow say what q must be)
+    return (q, scale, False) if nq is None else (nq, -s, True)
 
 
 def flip_sign(x):
