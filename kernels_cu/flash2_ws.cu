@@ -32,7 +32,11 @@
 //                          in two slots: the producer loads the next tile's Q_i and first
 //                          K_j, V_j while the consumers finish this one, and the turns run
 //                          on across tiles; in the grid's order without a band (NOTES
-//                          v44), from a tile counter under one, heaviest first (v45);
+//                          v44), from a tile counter under one, heaviest first (v45). The
+//                          producer publishes each tile's problem, first row and O's
+//                          coordinates with its Q_i, and a warpgroup frees the slot its O_i
+//                          left from only during the next tile's first S, so that a tile's
+//                          boundary holds no divisions, global loads or copy waits (v86);
 //                        - each consumer warpgroup runs only the steps its own 64 rows see
 //                          (none for rows past N), the producer freeing the K/V slots of
 //                          the rest for it, and masks only where its rows meet the band
@@ -97,6 +101,18 @@ using namespace wg;
 // stores (wg_store_o16)
 #ifndef FLASHSIM_WS_O_TMA
 #define FLASHSIM_WS_O_TMA 1
+#endif
+// 1 (with O_TMA): the first thread of a warpgroup frees O_i's slot (waits for the copy
+// engine to have read it) only once the next tile's first S is issued, not before that
+// tile's first turn; 0: at the end of the epilogue
+#ifndef FLASHSIM_WS_O_FREE_LATE
+#define FLASHSIM_WS_O_FREE_LATE 1
+#endif
+// 1: the producer publishes each tile's bounds, the consumer warpgroups' last steps and O's
+// tensor-map coordinates with its Q_i (tinfo), so that the consumers spend no divisions or
+// global loads at a tile's boundary; 0: the consumers compute them
+#ifndef FLASHSIM_WS_TILE_SMEM
+#define FLASHSIM_WS_TILE_SMEM 1
 #endif
 // consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
 // two products are short beside its softmax and a third one's work fills the tensor cores
@@ -166,6 +182,11 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const unsigned sV = sK + STAGES * TILE_KV;
     __shared__ __align__(8) unsigned long long bars[4 + 4 * STAGES];
     __shared__ int tile_in[2];                       // the tile whose Q_i slot q holds
+    // TILE_SMEM: per Q slot, its tile's index (−1: no more), problem and first row (tile()'s
+    // divisions) and O's tensor-map column and problem coordinates, written by the producer
+    // before its arrival on the slot's "full" barrier (which publishes them)
+    enum { TI_T, TI_P, TI_I0, TI_CO, TI_ZO };
+    __shared__ __align__(16) int tinfo[2][8];
     __shared__ int wl_in[3];                         // the producer's: wg_last of its tile
     static_assert(CONSUMERS <= 3, "wl_in holds three consumer warpgroups' bounds");
     const unsigned b0 = smem_addr(bars);
@@ -270,11 +291,13 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                              : tile_counter ? (int)gridDim.x + (int)atomicAdd(tile_counter, 1u)
                                             : (int)blockIdx.x + kq * (int)gridDim.x;
                 tile_in[q] = ti;                     // published by the arrival below
+                if (FLASHSIM_WS_TILE_SMEM) tinfo[q][TI_T] = ti < ntiles ? ti : -1;   // −1: no more
                 if (ti >= ntiles) {                  // no more: the consumers stop here
                     mbar_arrive(fullQ(q));
                     break;
                 }
                 const Tile x = tile(ti);
+                if (FLASHSIM_WS_TILE_SMEM) tinfo[q][TI_P] = x.p, tinfo[q][TI_I0] = x.i0;
                 if (x.jhi < x.jlo) {                 // the consumers write it: no loads
                     fwd_tile_unseen_count<T>(io, x.rows, dv);
                     mbar_arrive(fullQ(q));
@@ -299,6 +322,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                 // (and O: the consumers')
                 const int* c6 = crd + 8 * x.p;
                 const int cq = c6[0], zq = c6[1], ck = c6[2], zk = c6[3], cv = c6[4], zv = c6[5];
+                if (FLASHSIM_WS_TILE_SMEM) tinfo[q][TI_CO] = c6[6], tinfo[q][TI_ZO] = c6[7];   // (O's)
                 mbar_expect_tx(fullQ(q), TILE_Q);    // HBM→SRAM: Q_i (Br·d)
 #pragma unroll
                 for (int cb = 0; cb < D / CL::W; ++cb)
@@ -356,23 +380,57 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     if (FLASHSIM_WS_PINGPONG && next == 0) named_arrive(1, 256);   // warpgroup 0 goes first
 
     int nb = 0;                                      // K/V fills before this tile
+    // FLASHSIM_WS_O_FREE_LATE: the slot the last tile's O_i left from, freed by the first
+    // thread once the copy engine has read it (0: none pending)
+    unsigned o_slot = 0;
+    auto free_o_slot = [&]() {
+        if (FLASHSIM_WS_O_TMA && FLASHSIM_WS_O_FREE_LATE && o_slot && (threadIdx.x & 127) == 0)
+            wg_free_o_slot(o_slot);
+        o_slot = 0;
+    };
     for (int kq = 0;; ++kq) {                        // kq: Q fills before this tile
-        // the tile: from the producer under a counter (its Q_i's arrival publishes it), else
-        // known here, and its Q_i waited for only before the first product
-        // (read by the lane that frees the slot, which makes the read ordered before the
-        // producer's next write there, and passed to the warp)
+        // the tile: TILE_SMEM, its index, problem and first row as the producer published
+        // them with Q_i (tinfo); else from the producer under a counter (its Q_i's arrival
+        // publishes it; read by the lane that frees the slot, which makes the read ordered
+        // before the producer's next write there, and passed to the warp), or known here, and
+        // its Q_i waited for only before the first product
         int ti = (int)blockIdx.x + kq * (int)gridDim.x;
-        if (tile_counter) {
+        int4 tv = make_int4(0, 0, 0, 0);             // TILE_SMEM: the slot's tinfo
+        int zo = 0;
+        if (FLASHSIM_WS_TILE_SMEM) {
+            // (read by each warp's first lane, which frees the slot, so that the reads are
+            // ordered before the producer's next writes there; passed to the warp through
+            // shuffles, which ptxas knows give every lane the same value)
+            mbar_wait(fullQ(kq & 1), (kq >> 1) & 1);
+            if (lane == 0) tv = *reinterpret_cast<const int4*>(tinfo[kq & 1]), zo = tinfo[kq & 1][TI_ZO];
+            tv.x = __shfl_sync(0xffffffffu, tv.x, 0), tv.y = __shfl_sync(0xffffffffu, tv.y, 0);
+            tv.z = __shfl_sync(0xffffffffu, tv.z, 0), tv.w = __shfl_sync(0xffffffffu, tv.w, 0);
+            zo = __shfl_sync(0xffffffffu, zo, 0);
+            ti = tv.x;
+        } else if (tile_counter) {
             mbar_wait(fullQ(kq & 1), (kq >> 1) & 1);
             if (lane == 0) ti = *(volatile int*)&tile_in[kq & 1];
             ti = __shfl_sync(0xffffffffu, ti, 0);
         }
-        if (ti >= ntiles) break;
-        const Tile tl = tile(ti);
+        if (FLASHSIM_WS_TILE_SMEM ? ti < 0 : ti >= ntiles) {
+            free_o_slot();
+            break;
+        }
+        Tile tl;
+        if (FLASHSIM_WS_TILE_SMEM) {
+            // the problem and first row (tile()'s divisions) from the producer, the rest here
+            // (from them, ptxas compiles the masks as it does from tile())
+            tl.p = tv.y, tl.i0 = tv.z;
+            tl.rows = min(Br, nq - tl.i0);
+            band.kv_range(tl.i0, tl.i0 + tl.rows, nk, Bc, &tl.jlo, &tl.jhi);
+        } else {
+            tl = tile(ti);
+        }
         const int p = tl.p, i0 = tl.i0, rows = tl.rows, jlo = tl.jlo, jhi = tl.jhi;
         const long long q_row = (long long)p * Nq + i0;   // of L
         T* Oi = O + at_row0(at, p, AT_O) + i0 * (long long)ldo;
         if (jhi < jlo) {                             // no key visible: O_i = 0, L_i = −∞
+            free_o_slot();
             fwd_tile_unseen_write<T, THREADS - 128>(Oi, ldo, L + q_row, rows, dv, threadIdx.x - 128);
             mbar_wait(fullQ(kq & 1), (kq >> 1) & 1); // (the producer's arrival, no Q_i)
             __syncwarp();
@@ -446,6 +504,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         wgmma_fence();
         issue_s(sK + slot(jlo) * TILE_KV);
         turn_pass();
+        free_o_slot();                               // the last tile's O_i, read by now
         wgmma_wait<0>();
         fence_regs<Bc / 2>(s);
         release(emptyK(slot(jlo)));
@@ -527,8 +586,11 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // slot, whose products are done; O = 0 and L = −∞ for rows that saw no key), then
         // free the slot for the producer
         if (FLASHSIM_WS_O_TMA) {
-            wg_store_o_tma<T, D, Br>(o, sQ, &tmO, crd[8 * p + 6], crd[8 * p + 7], i0, cw, L + q_row, l0, l1,
-                                     m0, m1, r0, tig, rows, dv, emptyQ(kq & 1));
+            free_o_slot();                           // (pending where this warpgroup ran no step)
+            wg_store_o_tma<T, D, Br>(o, sQ, &tmO, FLASHSIM_WS_TILE_SMEM ? tv.w : crd[8 * p + 6],
+                                     FLASHSIM_WS_TILE_SMEM ? zo : crd[8 * p + 7], i0, cw, L + q_row, l0, l1,
+                                     m0, m1, r0, tig, rows, dv, emptyQ(kq & 1), !FLASHSIM_WS_O_FREE_LATE);
+            if (FLASHSIM_WS_O_FREE_LATE) o_slot = emptyQ(kq & 1);
         } else {
             wg_store_o16<T, D, Br>(o, sQ, Oi, ldo, L + q_row, l0, l1, m0, m1, r0, lane, tig, rows, dv);
             __syncwarp();

@@ -540,6 +540,12 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// The first thread of a warpgroup frees the slot O_i left from (its last arrival on the slot's
+// "empty" barrier) once the copy engine has read it
+__device__ __forceinline__ void wg_free_o_slot(unsigned empty_bar) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    mbar_arrive(empty_bar);
+}
 // The copy-engine forward's epilogue through the copy engine: a warpgroup's 64 rows of O_i,
 // divided by ℓ and rounded to T, go into its rows of the Q tile at sQ (wg_store_o16's
 // layout: the swizzle a TMA box of them reads), each writing thread fences them for the
@@ -548,12 +554,14 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // block, through tmO (O's tensor map: (columns, rows Nq, problems), the warpgroup's rows
 // from row i0 + 64·cw at column co of problem zo; rows past Nq and columns past dv lie
 // outside it and are not written). Each warp's first lane arrives on empty_bar, that
-// thread once the copy engine has read the slot. L_i as wg_store_o writes it.
+// thread once the copy engine has read the slot (free_now; else the caller's
+// wg_free_o_slot, later). L_i as wg_store_o writes it.
 template <typename T, int D, int Br>
 __device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, const TensorMap* tmO,
                                                int co, int zo, int i0, int cw, float* Li,
                                                float l0, float l1, float m0, float m1, int r0,
-                                               int tig, int rows, int dv, unsigned empty_bar) {
+                                               int tig, int rows, int dv, unsigned empty_bar,
+                                               bool free_now = true) {
     using CL = Cols<D>;
     quad_sum(l0, l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
@@ -569,8 +577,7 @@ __device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, cons
                                  sQ + cb * (Br * CL::RB) + cw * 64 * CL::RB);
         }
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");   // the slot is read
-        mbar_arrive(empty_bar);
+        if (free_now) wg_free_o_slot(empty_bar);
     } else if ((threadIdx.x & 31) == 0) {
         // the other warps' arrivals, each from the lane that read the tile's index from
         // the slot's tile_in (an arrival orders its own thread's accesses), count toward

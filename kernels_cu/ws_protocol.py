@@ -47,13 +47,18 @@ class Named:
             self.got, self.gen = 0, self.gen + 1
 
 
-def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
+def run(tiles, C, STAGES, counter, seed, frees_skipped=True, free_late=True, frees_late=True):
     """One interleaving of a CTA's C consumer warpgroups and producer over ``tiles``
     ((jlo, jhi, [each warpgroup's last key tile]) per tile, in the CTA's order) with
     STAGES K/V slots: ('ok', each warpgroup's turns), 'deadlock', or 'arrival left' (a
     barrier not at rest at the end). ``counter``: the consumers read each tile's index
-    from its Q slot (the tile counter's walk). frees_skipped=False: a producer that does
-    not arrive for the warpgroups that skip a step (a seeded bug)."""
+    from its Q slot (the tile counter's walk; with FLASHSIM_WS_TILE_SMEM, the kernel's
+    default, every walk reads its tile's problem and row there, which waits the same).
+    free_late (FLASHSIM_WS_O_FREE_LATE, the default): a warpgroup's first warp frees the
+    slot its O_i left from only after the next tile's first S is issued (or at that tile's
+    top where it has no step there, or at the end), the other three warps at the epilogue.
+    frees_skipped=False: a producer that does not arrive for the warpgroups that skip a
+    step; frees_late=False: a first warp that never makes its late arrival (seeded bugs)."""
     rng = random.Random(seed)
     fullQ, emptyQ = [Mbar(1), Mbar(1)], [Mbar(4 * C), Mbar(4 * C)]
     fullK, emptyK = [Mbar(1) for _ in range(STAGES)], [Mbar(4 * C) for _ in range(STAGES)]
@@ -111,15 +116,24 @@ def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
         if nxt == 0:                 # the last warpgroup lets the first take the first turn
             named[1].arrive()
         nb = 0
+        pending = [None]             # free_late: the slot whose first warp's arrival waits
+
+        def free_o_slot():
+            if pending[0] is not None and frees_late:
+                emptyQ[pending[0]].arrive(1)
+            pending[0] = None
+
         for kq in range(nt + 1):
             q = kq & 1
             if counter:              # the tile's index, read from its Q slot
                 yield from W(fullQ[q], (kq >> 1) & 1)
             if kq == nt:
+                free_o_slot()
                 break
             jlo, jhi, wls = tiles[kq]
             yield from W(fullQ[q], (kq >> 1) & 1)
             if jhi < jlo:            # no visible key: no turns
+                free_o_slot()
                 emptyQ[q].arrive(4)
                 continue
             slot = lambda j: (nb + j - jlo) % STAGES
@@ -128,6 +142,7 @@ def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
             if wl >= jlo:
                 yield from W(fullK[slot(jlo)], par(jlo))
                 yield from turn()      # S_jlo
+                free_o_slot()          # (free_late: the last tile's O slot, while S_jlo runs)
                 emptyK[slot(jlo)].arrive(4)
                 for j in range(jlo + 1, wl + 1):         # S_j with P_{j-1} V_{j-1}
                     yield from W(fullK[slot(j)], par(j))
@@ -138,7 +153,12 @@ def run(tiles, C, STAGES, counter, seed, frees_skipped=True):
                 yield from W(fullV[slot(wl)], par(wl))
                 yield from turn()      # the last P V
                 emptyV[slot(wl)].arrive(4)
-            emptyQ[q].arrive(4)                          # the epilogue frees Q's slot
+            free_o_slot()              # (pending where this warpgroup ran no step)
+            if free_late:              # the epilogue: three warps now, the first one later
+                emptyQ[q].arrive(3)
+                pending[0] = q
+            else:
+                emptyQ[q].arrive(4)                      # the epilogue frees Q's slot
             # the turns of the steps skipped (v48): jhi − jlo + 2 per tile for every warpgroup
             for t in range(jlo - 2 if wl < jlo else wl, jhi):
                 yield from turn()
@@ -195,7 +215,7 @@ if __name__ == "__main__":
         C, STAGES = rng.choice((2, 3)), rng.choice((1, 2, 3))
         tiles = random_tiles(rng, C, rng.randrange(1, 6))
         for counter in (0, 1):
-            r, info = run(tiles, C, STAGES, counter, it)
+            r, info = run(tiles, C, STAGES, counter, it, free_late=bool(it & 1))
             if r != "ok":
                 bad += 1
                 if bad < 6:
