@@ -42,6 +42,14 @@ _BUILD_TESTS = ("test_every_kernel_compiles_without_spills",
 _PREBUILD: list[subprocess.Popen] = []
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # the tests that wait for the background build run last, so that the rest of the suite
+    # runs beside the build (two CPU-bound jobs on a two-core machine) rather than after it
+    waits = [it for it in items if getattr(it, "originalname", None) in _BUILD_TESTS]
+    if waits:
+        items[:] = [it for it in items if it not in waits] + waits
+
+
 def pytest_collection_finish(session):
     if shutil.which("nvcc") is None or session.config.option.collectonly:
         return
