@@ -108,9 +108,9 @@ using namespace wg;
 #ifndef FLASHSIM_WS_O_FREE_LATE
 #define FLASHSIM_WS_O_FREE_LATE 1
 #endif
-// 1: the producer publishes each tile's bounds, the consumer warpgroups' last steps and O's
-// tensor-map coordinates with its Q_i (tinfo), so that the consumers spend no divisions or
-// global loads at a tile's boundary; 0: the consumers compute them
+// 1: the producer publishes each tile's index, problem, first row (tile()'s divisions) and
+// O's tensor-map coordinates with its Q_i (tinfo), so that the consumers spend no divisions
+// or global loads at a tile's boundary; 0: the consumers compute them
 #ifndef FLASHSIM_WS_TILE_SMEM
 #define FLASHSIM_WS_TILE_SMEM 1
 #endif
