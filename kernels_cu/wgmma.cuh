@@ -360,32 +360,68 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
     return v;
 }
-// L_i (natural log) of rows r0, r0 + 8 (of `rows`) from the row max m (log2 domain) and
-// the quad-reduced ℓ: −∞ for a row that saw no key (the forwards' epilogues)
+// L_i (natural log) of a row from its max m (log2 domain) and quad-reduced ℓ: −∞ for a
+// row that saw no key (ℓ = 0, whose log2f is −∞, m being finite or −∞: no select, so
+// that ptxas keeps the log's chain in the block around it, not in a branch of its own)
+__device__ __forceinline__ float wg_l_of(float l, float m) {
+    constexpr float LN2 = 0.6931471805599453f;
+    return (m + log2f(l)) * LN2;
+}
+// L_i of rows r0, r0 + 8 (of `rows`), as wg_l_of gives them (L0, L1)
+__device__ __forceinline__ void wg_put_l(float* Li, float L0, float L1, int r0, int tig, int rows) {
+    if (tig == 0) {
+        if (r0 < rows) Li[r0] = L0;
+        if (r0 + 8 < rows) Li[r0 + 8] = L1;
+    }
+}
 __device__ __forceinline__ void wg_store_l(float* Li, float l0, float l1, float m0, float m1,
                                            int r0, int tig, int rows) {
-    if (tig == 0) {
-        constexpr float LN2 = 0.6931471805599453f;
-        const int r1 = r0 + 8;
-        if (r0 < rows) Li[r0] = l0 > 0.f ? (m0 + log2f(l0)) * LN2 : neg_inf<float>();
-        if (r1 < rows) Li[r1] = l1 > 0.f ? (m1 + log2f(l1)) * LN2 : neg_inf<float>();
-    }
+    wg_put_l(Li, wg_l_of(l0, m0), wg_l_of(l1, m1), r0, tig, rows);
+}
+// 1: wg_o_to_shared writes a warp's 16 rows with stmatrix, four 8 × 8 matrices (two rows'
+// halves of two 16-byte chunks) an instruction; 0: a 4-byte store per two columns of a
+// row (4× the instructions, NOTES v87). The same bytes either way
+#ifndef FLASHSIM_WG_STMATRIX
+#define FLASHSIM_WG_STMATRIX 1
+#endif
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned a, unsigned b, unsigned c, unsigned d) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 // O_i's rows r0, r0 + 8 times 1/ℓ (inv0, inv1), rounded to T, into the same rows of the Q
 // tile at sQ (Br rows in Cols<D>'s swizzled column blocks, the layout a TMA box of them
-// has): the accumulators' columns t·8 + 2·tig, +1 are chunk t of the row
+// has): the accumulators' columns t·8 + 2·tig, +1 are chunk t of the row. With stmatrix,
+// register i of a thread (rows g, g + 8 of chunks t, t + 1) is matrix i's row g (or g + 8),
+// columns 2·tig, +1 (the accumulators' layout), and lane l names the address of row
+// (l & 7) + 8·((l >> 3) & 1) of chunk t + (l >> 4): chunk t is even and t, t + 1 share a
+// column block, so the swizzled chunk is (t mod W/8) ^ (l >> 4) ^ swz(row)
 template <typename T, int D, int Br>
 __device__ __forceinline__ void wg_o_to_shared(const float* o, unsigned sQ, float inv0, float inv1,
                                                int r0, int tig) {
     using CL = Cols<D>;
-    const int r1 = r0 + 8;
+    if constexpr (FLASHSIM_WG_STMATRIX && D % 16 == 0) {
+        const int lane = threadIdx.x & 31;
+        const int r = r0 - (lane >> 2) + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const unsigned row = sQ + r * CL::RB, sw = (unsigned)(CL::swz(r) ^ (lane >> 4)) << 4;
 #pragma unroll
-    for (int t = 0; t < D / 8; ++t) {
-        const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
-        st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
-                      pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
-        st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
-                      pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
+        for (int t = 0; t < D / 8; t += 2) {
+            const unsigned blk = (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
+            stmatrix_x4(row + blk + ((c << 4) ^ sw),
+                        pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0),
+                        pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1),
+                        pack<T>(o[4 * t + 4] * inv0, o[4 * t + 5] * inv0),
+                        pack<T>(o[4 * t + 6] * inv1, o[4 * t + 7] * inv1));
+        }
+    } else {
+        const int r1 = r0 + 8;
+#pragma unroll
+        for (int t = 0; t < D / 8; ++t) {
+            const unsigned blk = sQ + (t * 8 / CL::W) * (Br * CL::RB), c = (t * 8 % CL::W) / 8;
+            st_shared_b32(blk + r0 * CL::RB + ((c ^ CL::swz(r0)) << 4) + tig * 4,
+                          pack<T>(o[4 * t] * inv0, o[4 * t + 1] * inv0));
+            st_shared_b32(blk + r1 * CL::RB + ((c ^ CL::swz(r1)) << 4) + tig * 4,
+                          pack<T>(o[4 * t + 2] * inv1, o[4 * t + 3] * inv1));
+        }
     }
 }
 // The forwards' epilogue: ℓ reduced over the quad, O_i's rows r0, r0 + 8 (of `rows`) divided
@@ -565,6 +601,9 @@ __device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, cons
     using CL = Cols<D>;
     quad_sum(l0, l1);
     const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    // L in every lane, before O's stores (its log2's chain of FMAs runs beside them), stored
+    // by the quad's first once the copy is under way
+    const float L0 = wg_l_of(l0, m0), L1 = wg_l_of(l1, m1);
     wg_o_to_shared<T, D, Br>(o, sQ, inv0, inv1, r0, tig);
     fence_proxy_async();
     named_sync(4 + cw, 128);
@@ -584,7 +623,7 @@ __device__ __forceinline__ void wg_store_o_tma(const float* o, unsigned sQ, cons
         // the same phase, which completes only with the first thread's, after the copy
         mbar_arrive(empty_bar);
     }
-    wg_store_l(Li, l0, l1, m0, m1, r0, tig, rows);
+    wg_put_l(Li, L0, L1, r0, tig, rows);
 }
 
 }  // namespace wg
