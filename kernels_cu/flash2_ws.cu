@@ -40,7 +40,10 @@
 //                        - each consumer warpgroup runs only the steps its own 64 rows see
 //                          (none for rows past N), the producer freeing the K/V slots of
 //                          the rest for it, and masks only where its rows meet the band
-//                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48).
+//                          (FLASHSIM_WS_WG_BOUND, FLASHSIM_WS_WG_MASK; the same bits: v48);
+//                          in the plain instances a step whose key tile's upper half none
+//                          of its rows see runs P V over the lower half (FLASHSIM_WS_HALF_PV;
+//                          the same bits: v88).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
 //                        CAP_ONLY = true (with VAR): the softcap instance (kernels.cap_only). In
 //                        bfloat16, with ALiBi or without, under a fixed softmax max: no
@@ -113,6 +116,14 @@ using namespace wg;
 // or global loads at a tile's boundary; 0: the consumers compute them
 #ifndef FLASHSIM_WS_TILE_SMEM
 #define FLASHSIM_WS_TILE_SMEM 1
+#endif
+// 1 (plain instances, Bc = 128): P_j V_j over the key tile's lower half alone where its
+// upper half lies past the last key a warpgroup's rows see (under a causal mask at square
+// tiles, warpgroup 0's diagonal tile; a ragged last tile): P is 0 there, so the same bits
+// for half the product (NOTES v88). S_j over half the keys, a wgmma of N = Bc/2 beside
+// N = Bc on the same accumulators, made ptxas serialise the warpgroup MMAs (C7511)
+#ifndef FLASHSIM_WS_HALF_PV
+#define FLASHSIM_WS_HALF_PV 1
 #endif
 // consumer warpgroups (64 query rows each) per CTA: three at D = 64, where a warpgroup's
 // two products are short beside its softmax and a third one's work fills the tensor cores
@@ -460,9 +471,25 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             }
             wgmma_commit();
         };
-        // O_i += P V_j from V slot vb: Bc/16 instructions of 64 × D × 16, one group
-        auto issue_pv = [&](unsigned vb) {
+        // HALF_PV: step j's key tile holds no key of this warpgroup's rows in its upper half
+        // (past klast, the last key they see). (Not in the softcap/ALiBi instances: there the
+        // test's code measured 2–3% slower where it never applies)
+        constexpr bool HALF = FLASHSIM_WS_HALF_PV && Bc == 128 && !VAR;
+        const int klast = band.right < 0 ? nk - 1
+                        : min(nk - 1, i0 + min(cw * 64 + 63, rows - 1) + band.off + band.right);
+        auto half = [&](int j) { return HALF && klast < key_tile(tl, j - jlo) * Bc + Bc / 2; };
+        // O_i += P V_j from V slot vb: Bc/16 instructions of 64 × D × 16 (h: the first Bc/32,
+        // the keys where P may be nonzero), one group
+        auto issue_pv = [&](unsigned vb, bool h) {
             const unsigned long long dv = desc(vb, Bc * CL::RB, CL::SBO, CL::MODE);
+            if constexpr (HALF) {
+                if (h) {
+#pragma unroll
+                    for (int kk = 0; kk < Bc / 32; ++kk) Wgmma<T, D>::rs(o, pf[kk], desc_plus(dv, kk * 16 * CL::RB));
+                    wgmma_commit();
+                    return;
+                }
+            }
 #pragma unroll
             for (int kk = 0; kk < Bc / 16; ++kk) Wgmma<T, D>::rs(o, pf[kk], desc_plus(dv, kk * 16 * CL::RB));
             wgmma_commit();
@@ -503,6 +530,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         turn_wait();
         wgmma_fence();
         issue_s(sK + slot(jlo) * TILE_KV);
+        bool hp = half(jlo);                         // step j − 1's: its P V over half the keys
         turn_pass();
         free_o_slot();                               // the last tile's O_i, read by now
         wgmma_wait<0>();
@@ -540,7 +568,8 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
                 fence_regs<D / 2>(o);
                 wgmma_fence();                       // O's registers, written above, read by the product
             }
-            issue_pv(sV + sp * TILE_KV);
+            issue_pv(sV + sp * TILE_KV, hp);
+            hp = half(j);
             turn_pass();
             wgmma_wait<1>();                         // S_j is done, P_{j−1} V_{j−1} may run on
             fence_regs<Bc / 2>(s);
@@ -574,7 +603,7 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
             fence_regs<D / 2>(o);
             turn_wait();
             wgmma_fence();
-            issue_pv(sV + sl * TILE_KV);
+            issue_pv(sV + sl * TILE_KV, hp);
             turn_pass();
             wgmma_wait<0>();
             fence_regs<D / 2>(o);
