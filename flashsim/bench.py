@@ -5,7 +5,7 @@
     python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
 
 Times, with CUDA events after warm-up (median of --reps, the implementations taking
-turns rep by rep; each rep a window of ~50 ms of calls queued behind ~300 ms of untimed
+turns rep by rep; each rep a window of ~50 ms of calls queued behind ~1 s of untimed
 calls of its own, so that each implementation runs at the clock its own power draw gives
 a card at its power limit rather than its neighbour's, and the events time the GPU's
 work, as in a training loop whose host runs ahead; the host's time per call is reported
@@ -62,7 +62,7 @@ def dense_cupy(cp, q, k, v, causal, scale):
     return cp.matmul(P.astype(q.dtype), v)
 
 
-def interleaved(cp, fns, reps, warmup=3, settle_ms=300.0, queued=True, host=None,
+def interleaved(cp, fns, reps, warmup=3, settle_ms=1000.0, queued=True, host=None,
                 window_ms=50.0):
     """Milliseconds per call of each rep, per entry of ``fns`` ({key: (fn, context
     factory or None)}), timed with CUDA events around a window of calls lasting about
@@ -77,7 +77,11 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=300.0, queued=True, host=None
     of their own calls, and 3% slower right after cuDNN's backward; both settled within
     100–300 ms (kernels_cu/NOTES.md, v47). With 10 ms of settling each implementation
     was timed at its predecessor's clock. Earlier, on an H100, the kernel that followed
-    SDPA-math's backward measured up to 23% slower (NOTES, "Timing").
+    SDPA-math's backward measured up to 23% slower (NOTES, "Timing"). 300 ms, the
+    default until v89, was not always enough: at d = 128, N = 2k (H200, causal) a
+    forward that followed the other's backward still ran up to 17% off its own pace
+    100–300 ms after the switch and settled within ~600 ms (NOTES, v89), so the timed
+    window now comes after 1 s.
 
     ``queued`` (the default): the timed window is queued behind the settling calls, as
     a training loop's calls queue behind each other, so the events time the GPU's work
@@ -187,7 +191,7 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N ∈ {1k, 4k, 16k}, float16 only")
     ap.add_argument("--reps", type=_reps, default=5)
-    ap.add_argument("--settle-ms", type=_ms, default=300.0,
+    ap.add_argument("--settle-ms", type=_ms, default=1000.0,
                     help="untimed calls of the same implementation before each timed "
                          "window, for about this long (at least one call): long enough for "
                          "a card at its power limit to reach this implementation's clock")
