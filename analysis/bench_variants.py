@@ -3,7 +3,7 @@ attention, forward (on a 9.0 device the Hopper rung, "ws" where the copy-engine 
 takes the inputs and the cp.async kernel beside it, and tc) and backward (wg on 9.0, and tc), on one GPU.
 
     python3 analysis/bench_variants.py [--ns 4096] [--ds 64,128] [--dtypes float16] [--reps 30]
-                                       [--rungs wg,tc]
+                                       [--rungs wg,tc] [--power]
 
 Each case's kernels are recorded from one `fs.gpu.attention` / `attention_backward`
 call (the launches it makes, with their grids and arguments) and replayed, so the
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import flashsim as fs
-from flashsim.bench import interleaved
+from flashsim.bench import PowerSampler, interleaved
 
 OUT = Path(__file__).resolve().parent / "out" / "bench"
 
@@ -100,7 +100,16 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rungs", default="wg,tc", help="wg (the Hopper rung, ws beside it) "
                     "and/or tc")
+    ap.add_argument("--power", action="store_true",
+                    help="the mean SM clock (MHz) and board power (W) over each case's timed "
+                         "windows, and its energy per call (mJ), from nvidia-smi every 50 ms "
+                         "(flashsim.bench.PowerSampler)")
     a = ap.parse_args(argv)
+    if a.power:
+        import shutil
+        if shutil.which("nvidia-smi") is None:
+            ap.error("--power reads the GPU's clock and power through nvidia-smi, which is "
+                     "not on PATH: leave --power out")
     rungs = a.rungs.split(",")
     if not rungs or not set(rungs) <= {"wg", "tc"}:
         ap.error(f"--rungs: wg and/or tc, not {a.rungs}")
@@ -123,6 +132,8 @@ def main(argv=None):
         import torch
         return torch.as_tensor(x, device="cuda").to(torch.bfloat16)
     rows = []
+    sampler = PowerSampler(dev.pci_bus_id) if a.power else None
+    spans = {}                  # id(row) -> the host times of its windows
     for dtype, d, N in ((t, int(x), int(n)) for t in dtypes for x in a.ds.split(",")
                         for n in a.ns.split(",")):
         H, B = 2048 // d, 16384 // N
@@ -159,15 +170,30 @@ def main(argv=None):
                 what = "bwd ws" if replay.ws else f"bwd {kern}"   # ws: d = 128 on "wg"
                 fns[(case, what)] = (replay, None)
                 flop[(case, what)] = 2.5 * 4 * B * H * npairs * d
-        times = interleaved(cp, fns, a.reps)
+        shape_spans = {}
+        times = interleaved(cp, fns, a.reps, spans=shape_spans)
         for (case, what), t in times.items():
             ms = float(np.median(t))
             rows.append(dict(dtype=dtype, d=d, N=N, case=case, kernel=what, ms=ms,
                              tflops=flop[(case, what)] / ms / 1e9))
+            spans[id(rows[-1])] = shape_spans.get((case, what), [])
+        if sampler:
+            power(sampler, rows, spans)
         # the tables so far, after each shape: a run cut short keeps what it timed
         write(rows, name, dtypes)
         print(f"{dtype} d={d} N={N} done", file=sys.stderr, flush=True)
+    if sampler:                 # the samples nvidia-smi had not yet passed on
+        sampler.stop()
+        power(sampler, rows, spans)
     print(write(rows, name, dtypes))
+
+
+def power(sampler, rows, spans):
+    """Each row's mean clock and power over its windows, and its energy per call."""
+    for r in rows:
+        got = sampler.mean(spans.get(id(r), ()))
+        if got:
+            r["mhz"], r["watts"], r["mj"] = round(got[0], 1), round(got[1], 1), round(got[1] * r["ms"], 3)
 
 
 def write(rows, name, dtypes):
@@ -176,14 +202,18 @@ def write(rows, name, dtypes):
         return r["dtype"], r["d"], r["N"], r["kernel"]
     base = {key(r): r["ms"] for r in rows if r["case"] == "plain"}
     causal = {key(r): r["ms"] for r in rows if r["case"] == "causal"}
+    pw = any("mhz" in r for r in rows)
     lines = [f"# Variants on the fast rungs, {name}, {', '.join(dtypes)}, batch·N = 16k tokens",
-             "", "| dtype | d | N | case | kernel | ms | TFLOP/s | time / plain (same mask) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| dtype | d | N | case | kernel | ms | TFLOP/s | time / plain (same mask) |"
+             + (" MHz | W | mJ / call |" if pw else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" * 3 if pw else "")]
     for r in rows:
         ref = causal if ("causal" in r["case"] and "window" not in r["case"]) else base
         rel = r["ms"] / ref[key(r)]
         lines.append(f"| {r['dtype']} | {r['d']} | {r['N']} | {r['case']} | {r['kernel']} | "
-                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {rel:.3f} |")
+                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {rel:.3f} |"
+                     + (f" {r.get('mhz', '')} | {r.get('watts', '')} | {r.get('mj', '')} |"
+                        if pw else ""))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "variants.md").write_text("\n".join(lines) + "\n")
     (OUT / "variants.json").write_text(json.dumps(dict(device=name, rows=rows), indent=1))

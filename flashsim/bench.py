@@ -1,7 +1,7 @@
 """Side-by-side GPU timing of attention, forward and backward, in one process.
 
     flashsim bench [--quick] [--ds 32,64,96,128,160,192,224,256] [--ns 2048,4096] [--dtypes float16] \
-                   [--causal both|yes|no] [--idle] [--out bench] [--json]
+                   [--causal both|yes|no] [--idle] [--power] [--out bench] [--json]
     python3 analysis/bench_attention.py ...     (the same, writing to analysis/out/bench)
 
 Times, with CUDA events after warm-up (median of --reps, the implementations taking
@@ -62,8 +62,85 @@ def dense_cupy(cp, q, k, v, causal, scale):
     return cp.matmul(P.astype(q.dtype), v)
 
 
+class PowerSampler:
+    """The GPU's SM clock (MHz) and board power (W), sampled by ``nvidia-smi`` every
+    ``period_ms`` while the benchmark runs (``--power``), so that each timing can be read
+    beside the clock and power it ran at: a card at its power limit sets its clock from the
+    power drawn, and there a kernel's time is its energy per call over the cap (NOTES v47,
+    v81, v89). ``gpu``: nvidia-smi's ``-i`` (an index or a PCI bus id, as CuPy's device
+    gives it); ``exe``: the program to run.
+
+    nvidia-smi's own timestamps place each sample (its output reaches a pipe in blocks),
+    so ``mean`` is exact only for spans the samples read so far cover; ``stop`` ends the
+    sampling and reads the rest."""
+
+    QUERY = "timestamp,clocks.sm,power.draw"
+
+    def __init__(self, gpu=None, period_ms: int = 50, exe: str = "nvidia-smi"):
+        import shutil
+        import subprocess
+        import threading
+        path = shutil.which(exe)
+        if path is None:
+            raise FileNotFoundError(f"{exe} is not on PATH: --power reads the GPU's clock and "
+                                    "power through it (leave --power out to time without)")
+        cmd = [path, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+               "-lms", str(int(period_ms))] + ([] if gpu is None else ["-i", str(gpu)])
+        self.samples: list[tuple[float, float, float]] = []     # (host time, MHz, W)
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        import atexit
+        atexit.register(self._end)   # (a run cut short leaves no nvidia-smi behind)
+
+    @staticmethod
+    def parse(line: str):
+        """(host time, MHz, W) from one line of nvidia-smi's CSV, or None (a field it could
+        not read, such as "[N/A]", or a line of another form)."""
+        try:
+            ts, mhz, watts = (x.strip() for x in line.split(","))
+            t = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            return t, float(mhz), float(watts)
+        except ValueError:
+            return None
+
+    def _read(self):
+        for line in self._proc.stdout:
+            x = self.parse(line)
+            if x is not None:
+                self.samples.append(x)
+
+    def mean(self, spans):
+        """(mean MHz, mean W, samples) over the samples inside any of ``spans`` ((t0, t1)
+        host times, time.time()'s), or None where none fell inside."""
+        xs = [(mhz, w) for t, mhz, w in list(self.samples)
+              if any(t0 <= t <= t1 for t0, t1 in spans)]
+        if not xs:
+            return None
+        return (sum(m for m, _ in xs) / len(xs), sum(w for _, w in xs) / len(xs), len(xs))
+
+    def _end(self):
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except Exception:      # (it did not stop: the samples so far stand)
+                self._proc.kill()
+
+    def stop(self):
+        """End the sampling; every sample nvidia-smi wrote is read by the return. Says so
+        on stderr where it wrote none (an id it did not know, say)."""
+        code = self._proc.poll()
+        self._end()
+        self._reader.join(timeout=5)
+        if not self.samples:
+            print(f"--power: nvidia-smi gave no samples (exit status {code}: it ran "
+                  f"{' '.join(self._proc.args)})", file=sys.stderr)
+
+
 def interleaved(cp, fns, reps, warmup=3, settle_ms=1000.0, queued=True, host=None,
-                window_ms=50.0):
+                window_ms=50.0, spans=None):
     """Milliseconds per call of each rep, per entry of ``fns`` ({key: (fn, context
     factory or None)}), timed with CUDA events around a window of calls lasting about
     ``window_ms`` (at least one call; 0: one call), the entries taking turns rep by rep.
@@ -90,7 +167,12 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=1000.0, queued=True, host=Non
     synchronize, host-side launch cost included; on an H200 a single call timed so
     measured 0.1–0.3 ms above the same kernels queued (NOTES, v46). ``host``, a dict,
     gets per key the microseconds of host time per call over the first ~10 ms of each
-    settling loop (later calls may wait for room in the launch queue)."""
+    settling loop (later calls may wait for room in the launch queue).
+
+    ``spans``, a dict, gets per key and rep the host times (time.time()) between which the
+    GPU ran that rep's timed window and, before it, as much of its settling as makes the
+    span at least 200 ms (a PowerSampler's samples there say the clock and power that rep
+    ran at); the window ends when its stop event is reached, which the host waits for."""
     import contextlib
     import time
 
@@ -111,7 +193,12 @@ def interleaved(cp, fns, reps, warmup=3, settle_ms=1000.0, queued=True, host=Non
                 fn()
             stop.record()
             stop.synchronize()
-        return cp.cuda.get_elapsed_time(start, stop) / timed
+            t1 = time.time()
+        ms = cp.cuda.get_elapsed_time(start, stop)
+        if spans is not None and key is not None:
+            before = min(max(0.0, 200.0 - ms), untimed * ms / timed)   # of the settling
+            spans.setdefault(key, []).append((t1 - (ms + before) / 1e3, t1))
+        return ms / timed
     # the warm-up's last call sizes each entry's settling calls and window
     calls = {}
     for key, (fn, ctx) in fns.items():
@@ -224,10 +311,19 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                     help="time each call on an idle stream after a synchronize, its host-side "
                          "launch cost included (default: queued behind its settling calls, "
                          "the GPU's time alone; host time per call is reported apart)")
+    ap.add_argument("--power", action="store_true",
+                    help="sample the GPU's SM clock and board power with nvidia-smi every "
+                         "50 ms and report, per implementation, their means over its timed "
+                         "windows (MHz, W; the JSON also the energy per call, mJ)")
     ap.add_argument("--only", default=None, type=_only,
                     help="implementations to time, comma-separated (default: all): "
                          "flashsim-KERNEL for each of --kernels, " + ", ".join(OTHERS))
     a = ap.parse_args(argv)
+    if a.power and not a.plot_only:
+        import shutil
+        if shutil.which("nvidia-smi") is None:
+            ap.error("--power reads the GPU's clock and power through nvidia-smi, which is "
+                     "not on PATH: install the NVIDIA driver's tools or leave --power out")
     left = sorted(x for x in a.only or () if x.startswith("flashsim-")
                   and x[len("flashsim-"):] not in a.kernels)
     if left:
@@ -285,6 +381,22 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     rng = np.random.default_rng(0)
+    sampler = PowerSampler(cp.cuda.Device().pci_bus_id) if a.power else None
+    if sampler:
+        meta["power"] = ("nvidia-smi every 50 ms: the mean SM clock and board power over "
+                         "each implementation's timed windows, each with as much of its "
+                         "settling before it as makes 200 ms")
+    spans = {}                  # (shape, name, "fwd"|"bwd") -> the host times of its windows
+
+    def fill_power(rs):
+        """rs' clock and power (fwd_mhz, fwd_w, fwd_mj, bwd_…) from the samples so far."""
+        for r in rs:
+            for way in ("fwd", "bwd"):
+                got = sampler.mean(spans.get(((r["dtype"], r["d"], r["N"], r["causal"]),
+                                              r["impl"], way), ()))
+                if got and r.get(f"{way}_ms"):
+                    r[f"{way}_mhz"], r[f"{way}_w"] = round(got[0], 1), round(got[1], 1)
+                    r[f"{way}_mj"] = round(got[1] * r[f"{way}_ms"], 3)
     backends = {}
     if have_torch:
         backends = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -366,22 +478,45 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                 qg, kg, vg, is_causal=causal), ctx)
             fns[name, "bwd"] = (lambda o=o, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
                 o, (qg, kg, vg), do, retain_graph=True), ctx)
-        host = {}
+        host, shape_spans = {}, {}
         reps = interleaved(cp, fns, a.reps, settle_ms=a.settle_ms, queued=not a.idle,
-                           host=host, window_ms=a.window_ms)
+                           host=host, window_ms=a.window_ms, spans=shape_spans)
+        for (name, way), sp in shape_spans.items():
+            spans[(dtype, d, N, causal), name, way] = sp
         for name in dict.fromkeys(n for n, _ in fns):
             add(name, reps[name, "fwd"], reps.get((name, "bwd")), host.get((name, "fwd")),
                 host.get((name, "bwd")))
+        if sampler:
+            fill_power(rows[-len(dict.fromkeys(n for n, _ in fns)):])
         del fns
         del q, k, v, do
         save()
+    if sampler:         # the samples nvidia-smi had not yet passed on
+        sampler.stop()
+        fill_power([r for r in rows if (r["dtype"], r["d"], r["N"], r["causal"]) not in done])
     save()
-    md = [f"# Attention, forward and backward TFLOP/s — {gpu}, {meta['date']}", "",
+    md = table(rows, meta)
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    if a.json:
+        print(json.dumps({"meta": meta, "rows": rows}))
+    else:
+        print("\n".join(md[-len(rows):]) if len(rows) < 60 else f"{len(rows)} rows written")
+    plot(rows, meta, os.path.join(a.out, "bench.png"))
+
+
+def table(rows, meta):
+    """bench.md's lines: a heading, the protocol, and a row per implementation and shape
+    with its ratios to SDPA-flash and cuDNN of the same shape (and, where --power measured
+    them, the clock and power of its windows)."""
+    power = any("fwd_mhz" in r for r in rows)
+    md = [f"# Attention, forward and backward TFLOP/s — {meta['gpu']}, {meta['date']}", "",
           f"batch·N = {TOKENS} tokens, heads = {HIDDEN}/d; {meta['timing']}; "
           f"CuPy {meta['cupy']}, PyTorch {meta['torch']}.", "",
           "| dtype | d | N | causal | impl | fwd TF/s | bwd TF/s | fwd vs flash | fwd vs cuDNN "
-          "| bwd vs flash | bwd vs cuDNN | fwd host µs | bwd host µs |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| bwd vs flash | bwd vs cuDNN | fwd host µs | bwd host µs |"
+          + (" fwd MHz | fwd W | bwd MHz | bwd W |" if power else ""),
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 4 if power else "")]
     ref = {(r["dtype"], r["d"], r["N"], r["causal"], r["impl"]): r for r in rows}
     for r in rows:
         key = (r["dtype"], r["d"], r["N"], r["causal"])
@@ -397,14 +532,10 @@ def main(argv=None, default_out: str = "bench", prog: str | None = None):
                   f"{'' if r['bwd_tflops'] is None else format(r['bwd_tflops'], '.1f')} | "
                   f"{ratio(r, fl, 'fwd_tflops')} | {ratio(r, cu, 'fwd_tflops')} | "
                   f"{ratio(r, fl, 'bwd_tflops')} | {ratio(r, cu, 'bwd_tflops')} | "
-                  f"{us(r.get('fwd_host_us'))} | {us(r.get('bwd_host_us'))} |")
-    with open(os.path.join(a.out, "bench.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    if a.json:
-        print(json.dumps({"meta": meta, "rows": rows}))
-    else:
-        print("\n".join(md[-len(rows):]) if len(rows) < 60 else f"{len(rows)} rows written")
-    plot(rows, meta, os.path.join(a.out, "bench.png"))
+                  f"{us(r.get('fwd_host_us'))} | {us(r.get('bwd_host_us'))} |"
+                  + ("".join(f" {us(r.get(f))} |" for f in ("fwd_mhz", "fwd_w", "bwd_mhz",
+                                                             "bwd_w")) if power else ""))
+    return md
 
 
 def plot(rows, meta, path):

@@ -69,3 +69,86 @@ def test_bad_timing_options_are_refused_before_any_gpu_work(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_interleaved_gives_each_rep_the_host_times_its_window_ran_between():
+    """``spans``: per entry and rep, the host times between which the window ran, with as
+    much of the settling before it as makes 200 ms (here all 5 ms of it: 3 + 5 ms)."""
+    cp = FakeCuPy()
+    fns = {k: (lambda k=k: cp.log.append(k), None) for k in ("a", "b")}
+    spans = {}
+    interleaved(cp, fns, reps=2, warmup=1, settle_ms=5.0, window_ms=3.0, spans=spans)
+    assert set(spans) == {"a", "b"} and all(len(v) == 2 for v in spans.values())
+    for t0, t1 in spans["a"] + spans["b"]:
+        assert t1 - t0 == pytest.approx(0.008, abs=1e-6)   # (time.time()'s float)
+    assert spans["a"][0][1] <= spans["b"][0][1] <= spans["a"][1][1] <= spans["b"][1][1]
+
+
+FAKE_SMI = '''
+import datetime, sys, time
+# nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits -lms P -i ID
+assert sys.argv[1] == "--query-gpu=timestamp,clocks.sm,power.draw", sys.argv
+assert sys.argv[2:5] == ["--format=csv,noheader,nounits", "-lms", "10"], sys.argv
+assert sys.argv[5:] == ["-i", "0000:01:00.0"], sys.argv
+n = 0
+while True:
+    now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    watts = "[N/A]" if n % 3 == 2 else str(600 + 100 * (n % 3))
+    print(f"{now}, {1500 + 100 * (n % 3)}, {watts}", flush=True)
+    n += 1
+    time.sleep(0.01)
+'''
+
+
+def test_power_sampler_averages_nvidia_smis_samples_over_the_spans(tmp_path):
+    """The samples are nvidia-smi's lines placed by their own timestamps; lines it could
+    not read ("[N/A]") are left out; a span with no sample gives None."""
+    import sys
+    import time
+
+    from flashsim.bench import PowerSampler
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SMI}")
+    fake.chmod(0o755)
+    t0 = time.time()
+    ps = PowerSampler(gpu="0000:01:00.0", period_ms=10, exe=str(fake))
+    while len(ps.samples) < 5 and time.time() < t0 + 30:   # (a slow start on a busy host)
+        time.sleep(0.05)
+    t1 = time.time()
+    ps.stop()
+    inside = [x for x in ps.samples if x[0] <= t1]
+    assert len(inside) >= 5 and min(x[0] for x in ps.samples) >= t0 - 0.002
+    # the [N/A] lines (every third, at 1700 MHz) are not samples
+    assert {mhz for _, mhz, _ in ps.samples} == {1500.0, 1600.0}
+    assert {w for _, mhz, w in ps.samples} == {600.0, 700.0}
+    mhz, watts, n = ps.mean([(t0 - 0.002, t1)])
+    assert n == len(inside)
+    assert mhz == pytest.approx(sum(x[1] for x in inside) / n)
+    assert watts == pytest.approx(mhz - 900.0)
+    assert ps.mean([(t1 + 10, t1 + 20)]) is None and ps.mean([]) is None
+    assert PowerSampler.parse("2026/11/29 10:16:02.123, 1600, [N/A]") is None
+    assert PowerSampler.parse("2026/11/29 10:16:02.123, 1600, 650.5")[1:] == (1600.0, 650.5)
+
+
+def test_power_without_nvidia_smi_is_refused_before_any_gpu_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["--power"])
+    assert e.value.code == 2 and "nvidia-smi" in capsys.readouterr().err
+
+
+def test_the_table_is_the_committed_runs_and_gains_power_columns_where_measured():
+    """bench.md from a run's bench.json reads as that run's bench.md did; rows with
+    --power's fields get their clock and power columns."""
+    import json
+    from pathlib import Path
+
+    from flashsim.bench import table
+    out = Path(__file__).resolve().parent.parent / "analysis" / "out" / "bench"
+    run = json.loads((out / "ws_v89_h200_bf16.json").read_text())
+    assert table(run["rows"], run["meta"]) == (out / "ws_v89_h200_bf16.md").read_text().splitlines()
+    rows = [dict(r) for r in run["rows"][:3]]
+    rows[0].update(fwd_mhz=1581.04, fwd_w=690.2, bwd_mhz=1700.0, bwd_w=691.0)
+    md = table(rows, run["meta"])
+    assert md[4].endswith("| fwd MHz | fwd W | bwd MHz | bwd W |") and md[5].count("---") == 17
+    assert md[6].endswith("| 1581 | 690 | 1700 | 691 |") and md[7].endswith("|  |  |  |  |")
