@@ -99,42 +99,6 @@ __device__ __forceinline__ float tanh_fast(float x) {
 inline float tanh_fast(float x) { return std::tanh(x); }
 #endif
 
-// tanh(x) on the FMA pipe for |x| ≤ TanhPoly<K>::X0, as x·P(x²) (NOTES v89): MUFU runs 16
-// operations an SM per cycle, so a warp's MUFU.TANH holds its quadrant's unit for 8
-// cycles, and under a softcap a score's tanh and ex2 take 16 such cycles where its
-// products take ~8 of the tensor cores'. The polynomial takes 7 FMA-pipe instructions, one
-// a cycle. P minimises the relative error on [0, X0] (Lawson's weighted least squares);
-// evaluated in float, its largest relative error is K = 1: 7.1e-7 at X0 = 0.75 (degree 9);
-// K = 2: 7.3e-7 at X0 = 1 (degree 11); tanh.approx.f32's is 1.1e-5. Off flashsim's default
-// build (FLASHSIM_TANH_POLY = 0): written, not yet measured on a GPU.
-#ifndef FLASHSIM_TANH_POLY
-#define FLASHSIM_TANH_POLY 0
-#endif
-template <int K> struct TanhPoly;
-template <> struct TanhPoly<1> {
-    static constexpr float X0 = 0.75f;
-    static __host__ __device__ __forceinline__ float eval(float x) {
-        const float x2 = x * x;
-        float p = fmaf(x2, 0.0129296322f, -0.0500563041f);
-        p = fmaf(p, x2, 0.132589834f);
-        p = fmaf(p, x2, -0.333282516f);
-        p = fmaf(p, x2, 0.999999435f);
-        return p * x;
-    }
-};
-template <> struct TanhPoly<2> {
-    static constexpr float X0 = 1.0f;
-    static __host__ __device__ __forceinline__ float eval(float x) {
-        const float x2 = x * x;
-        float p = fmaf(x2, -0.00306706022f, 0.016743116f);
-        p = fmaf(p, x2, -0.0516056761f);
-        p = fmaf(p, x2, 0.13281434f);
-        p = fmaf(p, x2, -0.333290424f);
-        p = fmaf(p, x2, 0.999999414f);
-        return p * x;
-    }
-};
-
 // The variants' scores on the fast rungs, in log2 units (the exponent ex2 takes): for
 // s = q·k and dist = r + off − c,
 //   softcap·log2(e)·tanh(scale·s / softcap) − slope·log2(e)·|dist|

@@ -247,33 +247,7 @@ __device__ __forceinline__ void wg_scores(float* s, int j0, int i0, int r0, int 
     if constexpr (VAR) {
         const VarScores vs{k_in, k_out, slope};
         const float dist0 = (float)(i0 + r0 + (nk - nq) - j0 - tig * 2);   // r + off − c, per tile
-        bool poly = false;
-        if constexpr (FLASHSIM_TANH_POLY && !SPLIT) {
-            // the fixed and lazy softmaxes' softcap (flash2_fwd_ws, flash2_fwd_wg): the
-            // tanh on the FMA pipe where every score of the warp has |s·k_in| ≤ X0 (one
-            // test a warp, so that the pass stays one block without a branch per score),
-            // else MUFU's
-            using TP = TanhPoly<FLASHSIM_TANH_POLY ? FLASHSIM_TANH_POLY : 1>;
-            if (k_out != 0.f) {
-                float mx = 0.f;
-#pragma unroll
-                for (int x = 0; x < Bc / 2; ++x) mx = fmaxf(mx, fabsf(s[x]));
-                poly = __all_sync(0xffffffffu, mx * fabsf(k_in) <= TP::X0);
-            }
-            if (poly) {
-#pragma unroll
-                for (int t = 0; t < Bc / 8; ++t)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float x = TP::eval(s[4 * t + e] * k_in);
-                        if (vs.k_bias != 0.f)
-                            x = fmaf(-vs.k_bias, fabsf(dist0 + (float)((e < 2 ? 0 : 8) - t * 8 - (e & 1))), x);
-                        s[4 * t + e] = x;
-                    }
-            }
-        }
-        if (poly) {
-        } else if (!SPLIT || k_out != 0.f) {
+        if (!SPLIT || k_out != 0.f) {
 #pragma unroll
             for (int t = 0; t < Bc / 8; ++t)
 #pragma unroll
