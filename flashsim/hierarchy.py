@@ -383,12 +383,17 @@ def softmax_rule(shape: Shape, io_dtype, hardware, *, launch: str = "auto", bloc
     (kernels.cap_only: a softcap, with ALiBi or without, in bfloat16; a softcap or ALiBi
     in float16, ALiBi at kernels.diagonal_first's D) runs "fixed" in bfloat16 and "lazy"
     in float16, as do the cp.async forward's (kernels.wg_cap) and the mma.sync
-    forward's (kernels.tc_cap; in float16 without ALiBi); every other launch "online"
+    forward's (kernels.tc_cap; in float16 without ALiBi); the copy-engine forward's lazy
+    instance in bfloat16 (kernels.ws_lazy) "lazy"; every other launch "online"
     (`flashsim.gpu.softmax_max` on a real device)."""
     hw = get_hardware(hardware)
     dtype = dtype_name(io_dtype)
     variant = softcap is not None or alibi_slopes is not None
     D = K.instance_dim("wg", shape.d, shape.dv, False)
+    if (variant and K.ws_lazy(dtype, softcap, alibi_slopes, D)
+            and choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant) == "wg"
+            and _copy_engine_forward(shape, block_sizes, False, variant)):
+        return "lazy"
     if not (variant and K.cap_only(dtype, softcap, alibi_slopes, D)):
         return "online"
     rung = choose_kernel(launch, shape, dtype, hw, block_sizes, False, variant)

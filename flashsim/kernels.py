@@ -335,7 +335,11 @@ def ws_runs(d: int, dv: int, D: int | None, backward: bool = False,
 #   largest (v69; running_max.key_order). That holds for every row only where the tiles
 #   are square (diagonal_first: D = 96, 128); at D = 64 (192 × 64 tiles) float16 with
 #   slopes keeps the online VAR instance.
+# Its fourth (``variant`` = LAZY_BF16, ws_lazy): bfloat16 under the lazy max, where the
+# fixed one does not hold (ALiBi alone, or a softcap past CAP_HEADROOM's), at square tiles
+# (NOTES v90). The template's MAX argument is the rule: 0 online, 1 fixed, 2 lazy.
 CAP_ONLY = 2
+LAZY_BF16 = 3
 CAP_HEADROOM = 32
 
 
@@ -351,6 +355,25 @@ def cap_only(dtype: str, softcap, alibi_slopes, D: int | None = None) -> bool:
     if alibi_slopes is None:
         return softcap is not None
     return D is not None and diagonal_first(D)
+
+
+def ws_lazy(dtype: str, softcap, alibi_slopes, D: int | None = None) -> bool:
+    """flash2_fwd_ws runs this forward at instance D in bfloat16's lazy instance
+    (LAZY_BF16): bfloat16 with a softcap or ALiBi that its softcap instance does not take
+    (cap_only: ALiBi alone, or a softcap past CAP_HEADROOM's bound), where
+    diagonal_first(D)."""
+    return (dtype == "bfloat16" and (softcap is not None or alibi_slopes is not None)
+            and not cap_only(dtype, softcap, alibi_slopes, D)
+            and D is not None and diagonal_first(D))
+
+
+def ws_max(dtype: str, variant: bool | int) -> int:
+    """flash2_fwd_ws's MAX template argument for instance ``variant``: 0 the online
+    max (plain or VAR), 1 fixed (bfloat16's CAP_ONLY), 2 lazy (float16's CAP_ONLY,
+    LAZY_BF16)."""
+    if variant == CAP_ONLY:
+        return 1 if dtype == "bfloat16" else 2
+    return 2 if variant == LAZY_BF16 else 0
 
 
 def wg_cap(dtype: str, D: int, alibi_slopes=None) -> bool:
@@ -614,14 +637,14 @@ class Instance:
     plain one keeps the registers it has without them). ``varlen``: the instance that
     walks a packed varlen batch's table of tiles (VL = true; always with VAR, whose
     constants make softcap and ALiBi no-ops when absent). flash2_fwd_ws has a third,
-    ``variant`` = CAP_ONLY (cap_only)."""
+    ``variant`` = CAP_ONLY (cap_only), and in bfloat16 a fourth, LAZY_BF16 (ws_lazy)."""
     source: str
     kernel: str
     dtype: str
     D: int | None
     expr: str
     mangled: str
-    variant: bool | int = False    # (or CAP_ONLY: flash2_fwd_ws's softcap alone)
+    variant: bool | int = False    # (or CAP_ONLY: the softcap instance; LAZY_BF16)
     varlen: bool = False
 
 
@@ -683,13 +706,14 @@ def instances(source: str | None = None) -> list[Instance]:
                                     v, vl)
                                     for v, f in kinds)
                                 continue
-                            if k == "flash2_fwd_ws" and not vl:   # <T, D, VAR, CAP_ONLY>
-                                kinds = [(var, False)] + ([(CAP_ONLY, True)] if var else [])
+                            if k == "flash2_fwd_ws" and not vl:   # <T, D, VAR, MAX>
+                                kinds = [var] + ([CAP_ONLY] if var else []) + (
+                                    [LAZY_BF16] if var and dt == "bfloat16" and diagonal_first(D) else [])
                                 out.extend(Instance(
                                     src, k, dt, D,
-                                    f"{k}<{T}, {D}, {str(bool(v)).lower()}, {str(f).lower()}>",
-                                    f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(bool(v))}ELb{int(f)}EE", v)
-                                    for v, f in kinds)
+                                    f"{k}<{T}, {D}, {str(bool(v)).lower()}, {ws_max(dt, v)}>",
+                                    f"_Z{len(k)}{k}I{mT}Li{D}ELb{int(bool(v))}ELi{ws_max(dt, v)}EE", v)
+                                    for v in kinds)
                             if k in WS_KERNELS:    # no varlen instance, and no VL argument
                                 if not vl and k != "flash2_fwd_ws":
                                     out.append(Instance(
@@ -1152,7 +1176,7 @@ def format_build(rows: list[BuildRow], arch: str) -> str:
                                          r.dtype, r.D or 0)):
         build_kind = "instrumented" if r.instrumented else "fast path"
         name = r.kernel + (" +varlen" if r.varlen else " +cap" if r.variant == CAP_ONLY
-                           else " +var" if r.variant else "")
+                           else " +lazy" if r.variant == LAZY_BF16 else " +var" if r.variant else "")
         lines.append(f"{name:<26}{r.dtype:<10}{r.D or '-':>4} {build_kind:<14}{r.registers:>5}"
                      f"{r.smem_static:>7}{r.stack:>7}{f'{r.spill_stores}/{r.spill_loads}':>13}"
                      + ("  wgmma serialized" if r.wgmma_serialized else ""))

@@ -1,6 +1,6 @@
 // flash2_ws.cu: the Hopper kernels fed by the copy engine, with specialised warps.
 //
-//   flash2_fwd_ws<T, D, VAR, CAP_ONLY>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
+//   flash2_fwd_ws<T, D, VAR, MAX>  forward, T ∈ {__half, __nv_bfloat16}, D ∈ {64, 96, 128} (d, dv
 //                        ≤ D: the tensor maps are d (dv) columns wide, so the copy engine
 //                        zero-fills the columns past them): the schedule, visited tiles
 //                        and so the traffic of
@@ -45,11 +45,13 @@
 //                          of its rows see runs P V over the lower half (FLASHSIM_WS_HALF_PV;
 //                          the same bits: v88).
 //                        VAR = true is the softcap/ALiBi instance; windows run on both.
-//                        CAP_ONLY = true (with VAR): the softcap instance (kernels.cap_only). In
-//                        bfloat16, with ALiBi or without, under a fixed softmax max: no
-//                        row max, α or rescale of O (tensor_core.cuh's cap_fixed_m; with
-//                        ALiBi per row, fixed_m_alibi; NOTES v56, v66). In float16 under
-//                        a lazy running max: a step's exponentials take the steps
+//                        MAX (with VAR) is the softmax's max: 0 the online one. 1, fixed
+//                        (bfloat16's softcap instance, kernels.cap_only; with ALiBi or
+//                        without): no row max, α or rescale of O (tensor_core.cuh's
+//                        cap_fixed_m; with ALiBi per row, fixed_m_alibi; NOTES v56,
+//                        v66). 2, lazy (float16's softcap instance, and bfloat16's lazy
+//                        one for ALiBi or a softcap past the fixed max's headroom,
+//                        kernels.ws_lazy; v90): a step's exponentials take the steps
 //                        before's m, and a warp reduces its rows' max and takes the
 //                        online step only where some P may pass 2^12 (tensor_core.cuh's
 //                        softmax_lazy; v57, v59); with ALiBi (a softcap or none, at D = 96 and 128,
@@ -165,7 +167,7 @@ template <int D> __host__ __device__ constexpr int consumer_regs() {
 
 }  // namespace ws
 
-template <typename T, int D, bool VAR, bool CAP_ONLY>
+template <typename T, int D, bool VAR, int MAX>
 __global__ void __launch_bounds__(ws::threads<D>(), ws::min_blocks<D>())
 flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__ wg::TensorMap tmK,
               const __grid_constant__ wg::TensorMap tmV, const __grid_constant__ wg::TensorMap tmO,
@@ -244,14 +246,16 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         return x;
     };
 
-    // The key tile of a Q tile's step n: jlo + n, or, with ALiBi under float16's lazy max
-    // (the softcap instance at square tiles, kernels.cap_only), first the tile holding the
+    // The key tile of a Q tile's step n: jlo + n, or, with ALiBi under the lazy max (at
+    // square tiles: kernels.diagonal_first), first the tile holding the
     // diagonal key of the Q tile's middle row, then the others in order. ALiBi's logits
     // rise along a row towards its diagonal key: in key order the lazy max moved at most
     // steps (NOTES v65); from the tile of the largest biases it moves at almost none
     // (v69). The producer and the consumers both take it; the ring's slots and phases stay
-    // per step.
-    constexpr bool DIAG_FIRST = VAR && CAP_ONLY && !IsBf16<T>::value && Br == Bc;
+    // per step. (MAX, with VAR, the softmax's max: 0 the online one, 1 fixed, 2 lazy: below)
+    constexpr bool FIXED = VAR && MAX == 1, LAZY = VAR && MAX == 2;
+    static_assert(!FIXED || IsBf16<T>::value, "the fixed max is bfloat16's");
+    constexpr bool DIAG_FIRST = LAZY && Br == Bc;
     const bool diag = DIAG_FIRST && slopes != nullptr;
     auto key_tile = [&](const Tile& x, int n) {
         if (!diag) return x.jlo + n;
@@ -368,12 +372,10 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
     const int cw = __shfl_sync(0xffffffffu, grp, 0) - 1;
     // VAR: the scores in log2 units over VarScores::scale(), the exponent's multiplier
     const float sl2 = VAR ? VarScores{k_in, k_out, 0.f}.scale() : scale_log2;
-    // the softcap instance (CAP_ONLY, where kernels.cap_only says): under a fixed max in
-    // bfloat16, with ALiBi or not (tensor_core.cuh's cap_fixed_m, fixed_m_alibi), a lazy running
-    // max in float16 (tensor_core.cuh's softmax_lazy; with ALiBi, the diagonal key tile
-    // first: key_tile)
-    constexpr bool FIXED = VAR && CAP_ONLY && IsBf16<T>::value;
-    constexpr bool LAZY = VAR && CAP_ONLY && !IsBf16<T>::value;
+    // FIXED (bfloat16's softcap instance, kernels.cap_only): a fixed max, with ALiBi or
+    // not (tensor_core.cuh's cap_fixed_m, fixed_m_alibi); LAZY (float16's softcap instance,
+    // and bfloat16's lazy one, kernels.ws_lazy): a lazy running max (tensor_core.cuh's
+    // softmax_lazy; with ALiBi, the diagonal key tile first: key_tile)
     float o[D / 2];                                  // O_i: this warpgroup's 64 × D, fp32
     float s[Bc / 2];                                 // S = Q_i K_jᵀ (then P in fp32): 64 × Bc
     unsigned pf[Bc / 16][4];                         // P in T: the A operand of P V_j

@@ -727,9 +727,10 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
     bias the row sees added), in float16 under a lazy one (a warp takes the online step
     only where some P may pass 2^12, or a row sees its first key after the tile's first
     step). ALiBi in float16 at d = 96 and 128 (kernels.diagonal_first), with a softcap or
-    without, runs there too, each Q tile's diagonal key tile first. ALiBi in float16 at
-    d = 64, and in bfloat16 a softcap past 54.4 or ALiBi alone, run the online VAR
-    instance. ALiBi: steep, flat, negative and per-batch slopes, with causal, a window
+    without, runs there too, each Q tile's diagonal key tile first; so do, in bfloat16's
+    lazy instance (kernels.LAZY_BF16), bfloat16's ALiBi alone and softcaps past 54.4 at
+    d = 96 and 128. ALiBi in float16 at d = 64, and in bfloat16 a softcap past 54.4 or
+    ALiBi alone at d = 64, run the online VAR instance. ALiBi: steep, flat, negative and per-batch slopes, with causal, a window
     and Nq ≠ Nk (rows whose diagonal key is outside the keys). Against the simulator: the
     traffic exactly, O and L to the kernel-precision twin's tolerance, rows that see no
     key 0 and −∞; logits held at ±c by outliers, keys whose logits grow along the row (the
@@ -759,18 +760,31 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
                   (30.0, k, dict(alibi_slopes=-flat * 50, causal=True)),
                   (5.0, k, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4)), window=(70, 3))),
                   (54.0, ramp, dict(alibi_slopes=steep, causal=True))]
-    if lazy_alibi:       # float16's ALiBi without a softcap: the lazy max, diagonal first
-        cases += [(None, k, dict(alibi_slopes=steep)), (None, ramp, dict(alibi_slopes=steep, causal=True)),
-                  (None, k, dict(alibi_slopes=-flat * 50, window=(0, 0)))]
+    bf_lazy = dtype == "bfloat16" and fs.kernels.diagonal_first(d)
+    if lazy_alibi or bf_lazy:   # ALiBi without a softcap: the lazy max, diagonal first
+        alone = [(None, k, dict(alibi_slopes=steep)), (None, ramp, dict(alibi_slopes=steep, causal=True)),
+                 (None, k, dict(alibi_slopes=-flat * 50, window=(0, 0)))]
+        if lazy_alibi:
+            cases += alone
     for c, kk, kw in cases:
         variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
         seen.clear()
         check_variants_forward(q, kk, v, dtype, None, variants)
         assert seen[-1] == ("flash2_fwd_ws", dtype, fs.kernels.CAP_ONLY), (c, kw)
-    # the online instance where the softcap instance does not apply
+    if bf_lazy:          # bfloat16's lazy instance: ALiBi alone, softcaps past 54.4
+        lazy = alone + [(60.0, k, dict()), (100.0, ramp, dict(causal=True)),
+                        (60.0, k, dict(alibi_slopes=steep, window=(70, 3))),
+                        (200.0, ramp, dict(alibi_slopes=rng.uniform(-0.3, 0.3, (2, 4))))]
+        for c, kk, kw in lazy:
+            variants = dict(dict(causal=False, window=None, alibi_slopes=None), softcap=c, **kw)
+            seen.clear()
+            check_variants_forward(q, kk, v, dtype, None, variants)
+            assert seen[-1] == ("flash2_fwd_ws", dtype, fs.kernels.LAZY_BF16), (c, kw)
+    # the online instance where neither applies
     sl = rng.uniform(0, 0.5, 4)
-    for c, slopes in (((60.0, None), (60.0, sl), (None, sl)) if dtype == "bfloat16"
-                      else () if lazy_alibi else ((30.0, sl), (None, sl))):
+    for c, slopes in (() if lazy_alibi or bf_lazy
+                      else ((60.0, None), (60.0, sl), (None, sl)) if dtype == "bfloat16"
+                      else ((30.0, sl), (None, sl))):
         variants = dict(causal=False, window=None, softcap=c, alibi_slopes=slopes)
         seen.clear()
         check_variants_forward(q, k, v, dtype, None, variants)
@@ -780,11 +794,14 @@ def test_a_softcap_alone_runs_its_own_instance(monkeypatch, dtype, d):
     pairs = [(k, dict(softcap=50.0)), (ramp, dict(softcap=50.0))]
     if lazy_alibi:
         pairs += [(k, dict(alibi_slopes=steep)), (ramp, dict(softcap=30.0, alibi_slopes=steep))]
+    if bf_lazy:
+        pairs += [(k, dict(alibi_slopes=steep)), (ramp, dict(softcap=100.0, alibi_slopes=steep))]
     for kk, kw in pairs:
         qd, kd, vd = (dev(x, dtype) for x in (q, kk, v))
         own = [host(x) for x in fs.gpu.attention(qd, kd, vd, **kw)]
         with monkeypatch.context() as m:
             m.setattr(fs.kernels, "cap_only", lambda *a: False)
+            m.setattr(fs.kernels, "ws_lazy", lambda *a: False)
             online = [host(x) for x in fs.gpu.attention(qd, kd, vd, **kw)]
         assert not np.array_equal(own[0], online[0])
         np.testing.assert_allclose(own[0], online[0], atol=4 * eps * np.abs(v).max())
@@ -1361,7 +1378,7 @@ def variant_problems(draw, dtypes=None, max_seq=130, head_dims=(8, 16, 40, 64), 
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, max_seq + 20),
                                                  st.integers(-1, max_seq + 20))))
-    softcap = draw(st.one_of(st.none(), st.floats(0.25, 50.0 if fast else 30.0)))
+    softcap = draw(st.one_of(st.none(), st.floats(0.25, 100.0 if fast else 30.0)))
     alibi = draw(st.sampled_from([None, "heads", "batch"]))
     blocks = None if fast else draw(st.tuples(st.sampled_from([16, 32, 64]),
                                               st.sampled_from([16, 32, 64])))

@@ -61,11 +61,11 @@ def test_every_kernel_compiles_without_spills(arch, kernel_build):
     # forward × 2 dtypes × 8 head dims, and its softcap alone in bfloat16 at 7 (all but 64,
     # kernels.WG_FIXED_HEAD_DIMS) and float16 at 8 (WG_LAZY_HEAD_DIMS), the backward's 2 kernels × 2 × 7 (all but 96); the wg forward fed by
     # TMA (sm_90a only): d = 64, 96, 128 × 2, plain, softcap/ALiBi and the softcap alone
-    # (kernels.CAP_ONLY), and its backward's 2
+    # (kernels.CAP_ONLY), and bfloat16's lazy one at 96, 128 (LAZY_BF16), and its backward's 2
     # kernels at d = 64, 128 × 2, plain and softcap/ALiBi; decoding: 4 × 2 × 2 (the append, 3
     # tiles), and on sm_90 each tile in clusters of 3 sizes, 9 × 2 × 2
     assert len(expected) == 2 * (4 * 4 + 2 * 4 + 8 * 4 + 2 * 4 + (6 + 48 + 15 + 84)
-                                 + (48 + 15 + 84 + 18 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
+                                 + (48 + 15 + 84 + 20 + 16 + 9 * 4 if arch == "sm_90" else 0) + 4 * 4)
     assert {(r.kernel, r.dtype, r.D, r.variant, r.varlen, r.instrumented)
             for r in rows} == expected
     assert all(r.registers > 0 for r in rows)
@@ -111,10 +111,10 @@ def test_a_kernel_built_with_local_memory_warns_and_fails_the_tests():
     class Built:                     # what the loader gets back: a kernel with the attribute
         def __init__(self, n):
             self.local_size_bytes = n
-    _device.check_local_memory(Built(0), "flash2_fwd_ws<__half, 128, false, false>")
+    _device.check_local_memory(Built(0), "flash2_fwd_ws<__half, 128, false, 0>")
     with pytest.warns(fs.gpu.SpillWarning, match=r"flash2_fwd_ws<__half, 128.*\(instrumented\) "
                       r"uses 8 bytes of local memory"):
-        _device.check_local_memory(Built(8), "flash2_fwd_ws<__half, 128, true, false>", True)
+        _device.check_local_memory(Built(8), "flash2_fwd_ws<__half, 128, true, 0>", True)
     # the suite's configuration makes the warning an error, so a GPU test that loads such a
     # kernel fails
     import warnings
@@ -367,6 +367,11 @@ def test_a_softcap_alone_takes_the_copy_engine_forwards_own_instance():
     assert set(kernels.TC_LAZY_HEAD_DIMS) == set(kernels.TC_HEAD_DIMS) - {32}
     assert not any(i.varlen for i in tc)
     assert all(i.expr.endswith(", true, false, true>") for i in tc)
+    # flash2_fwd_ws's MAX argument: 1 (fixed) in bfloat16's softcap instance, 2 (lazy) in
+    # float16's
+    ws = [i for i in kernels.instances("flash2_ws.cu")
+          if i.kernel == "flash2_fwd_ws" and i.variant == kernels.CAP_ONLY]
+    assert all(i.expr.endswith(", true, 1>" if i.dtype == "bfloat16" else ", true, 2>") for i in ws)
     assert all(kernels.tc_cap("float16", D) != (D == 32) for D in kernels.TC_HEAD_DIMS)
     assert not any(kernels.tc_cap("float16", D, [0.1]) for D in kernels.TC_HEAD_DIMS)
     assert all(kernels.tc_cap("bfloat16", D, [0.1]) for D in kernels.TC_HEAD_DIMS)
@@ -425,3 +430,24 @@ def test_the_copy_engine_forward_walks_tiles_on_one_cta_per_sm():
         assert two - one == Br * D * 2                       # Q_i's second slot
         assert kernels.smem_bytes("flash2_fwd_ws", Br, Bc, D, D, "float16") == two
         assert two + 96 <= 227 * 1024                        # and the kernel's mbarriers
+
+
+def test_bfloat16s_alibi_takes_the_copy_engine_forwards_lazy_instance():
+    """kernels.ws_lazy: in bfloat16, ALiBi alone and a softcap past the fixed max's bound
+    (with ALiBi or without) run flash2_fwd_ws's lazy instance (LAZY_BF16, MAX = 2) at the
+    instances whose tiles are square (96, 128); what the softcap instance takes (cap_only),
+    float16, no variant and D = 64 do not."""
+    ws_lazy = kernels.ws_lazy
+    for D in (96, 128):
+        assert ws_lazy("bfloat16", None, [0.1, -0.2], D)
+        assert ws_lazy("bfloat16", 54.5, None, D) and ws_lazy("bfloat16", 100.0, [0.1], D)
+        assert not ws_lazy("bfloat16", 30.0, None, D) and not ws_lazy("bfloat16", 30.0, [0.1], D)
+        assert not ws_lazy("bfloat16", None, None, D)
+        assert not ws_lazy("float16", None, [0.1], D) and not ws_lazy("float16", 100.0, None, D)
+    assert not ws_lazy("bfloat16", None, [0.1], 64) and not ws_lazy("bfloat16", None, [0.1])
+    lazy = [i for i in kernels.instances("flash2_ws.cu")
+            if i.kernel == "flash2_fwd_ws" and i.variant == kernels.LAZY_BF16]
+    assert {(i.dtype, i.D) for i in lazy} == {("bfloat16", D) for D in kernels.WS_HEAD_DIMS
+                                             if kernels.diagonal_first(D)} == {("bfloat16", 96), ("bfloat16", 128)}
+    assert all(i.expr == f"flash2_fwd_ws<__nv_bfloat16, {i.D}, true, 2>" for i in lazy)
+    assert all(i.mangled == f"_Z13flash2_fwd_wsI13__nv_bfloat16Li{i.D}ELb1ELi2EE" for i in lazy)

@@ -373,7 +373,8 @@ def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     """softmax_max="auto" with hardware=: the copy-engine forward's softcap instance on a
     Hopper GPU runs "fixed" in bfloat16 (with ALiBi or without) and "lazy" in float16
     (with ALiBi at d = 128 only), and so does the mma.sync forward's (an Ampere GPU's
-    too; in float16 without ALiBi); ALiBi in float16 at d = 64 or on the mma.sync rung,
+    too; in float16 without ALiBi); its lazy instance in bfloat16 (ALiBi alone, or a
+    softcap past 54.4, at d = 128) runs "lazy"; ALiBi at d = 64 or on the mma.sync rung,
     and no variant, run "online". Without hardware, "auto" is refused."""
     from flashsim import hierarchy
     from flashsim.problem import Shape
@@ -391,7 +392,11 @@ def test_auto_takes_the_rule_of_the_kernel_on_the_hardware():
     assert rule(wide, "float16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "lazy"
     assert rule(wide, "float16", "H100", alibi_slopes=np.ones(2)) == "lazy"
     assert rule(wide, "float16", "H100", alibi_slopes=np.ones(2), launch="tc") == "online"
-    assert rule(wide, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "online"
+    assert rule(wide, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "lazy"
+    assert rule(wide, "bfloat16", "H100", softcap=60.0) == "lazy"
+    assert rule(wide, "bfloat16", "H100", softcap=60.0, alibi_slopes=np.ones(2)) == "lazy"
+    assert rule(wide, "bfloat16", "H100", alibi_slopes=np.ones(2), launch="tc") == "online"
+    assert rule(wide, "bfloat16", "H100", alibi_slopes=np.ones(2), block_sizes=(64, 64)) == "online"
     assert rule(shape, "bfloat16", "H100", softcap=30.0, alibi_slopes=np.ones(2)) == "fixed"
     assert rule(shape, "bfloat16", "H100", alibi_slopes=np.ones(2)) == "online"
     assert rule(shape, "float16", "H100") == "online"

@@ -235,7 +235,9 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     inputs under (pass it to `flashsim.simulate` as ``softmax_max``): "fixed" in bfloat16
     (a softcap, with ALiBi or without) and "lazy" in float16 (a softcap, or ALiBi at
     head dims up to 128 but above 64) where the Hopper forward fed by the copy engine runs
-    its softcap instance (flashsim.kernels.cap_only), as where the cp.async one runs its
+    its softcap instance (flashsim.kernels.cap_only), "lazy" in bfloat16 where it runs its
+    lazy one (kernels.ws_lazy: ALiBi, or a softcap past the fixed max's bound, at head
+    dims up to 128 but above 64), as where the cp.async one runs its
     own (kernels.wg_cap: in bfloat16 not at head dims 33–64; in float16 without ALiBi)
     and the mma.sync one its own (kernels.tc_cap: in float16 without ALiBi), else
     "online". ``block_sizes``: the tiles `attention` is given (they pick the rung, and on
@@ -250,6 +252,9 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     which = _choose(kernel, shape, qi.dtype, block_sizes,
                     variant=_asked(window, softcap, alibi_slopes), var=var)
     D = _instance(shape, which, False) if which in ("wg", "tc") else None
+    if (which == "wg" and K.ws_lazy(qi.dtype, softcap, alibi_slopes, D)
+            and _ws_tiles(shape, D, block_sizes, var) is not None):
+        return "lazy"            # flash2_fwd_ws's lazy instance in bfloat16
     if which not in ("wg", "tc") or not K.cap_only(qi.dtype, softcap, alibi_slopes, D):
         return "online"
     if which == "tc" and not K.tc_cap(qi.dtype, D, alibi_slopes):
@@ -327,8 +332,13 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     var = softcap is not None or alibi_slopes is not None   # the fast rungs' VAR instance
     which = _choose(kernel, shape, dtype, block_sizes, variant=variant, var=var)
     D = _instance(shape, which) if which in ("tc", "wg") else None
-    # flash2_fwd_ws's instance: the VAR one, or the softcap's (kernels.cap_only)
-    ws_var = K.CAP_ONLY if var and which == "wg" and K.cap_only(dtype, softcap, alibi_slopes, D) else var
+    # flash2_fwd_ws's instance: the VAR one, the softcap's (kernels.cap_only) or
+    # bfloat16's lazy one (kernels.ws_lazy)
+    ws_var = var
+    if var and which == "wg" and K.cap_only(dtype, softcap, alibi_slopes, D):
+        ws_var = K.CAP_ONLY
+    elif var and which == "wg" and K.ws_lazy(dtype, softcap, alibi_slopes, D):
+        ws_var = K.LAZY_BF16
     P, Nq = shape.problems, shape.Nq
     # O laid out as q is (q read through its strides: no copies of (B, N, H, d) inputs)
     O = arrays.empty(cp, shape.batch_shape + (Nq, shape.dv), arrays.storage(cp, dtype),
@@ -789,7 +799,8 @@ def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool | int, c
     """The launcher of flash2_fwd_ws (the wg forward fed by TMA) for these arrays, or None
     where it does not apply: a packed varlen batch (not here), layouts TMA cannot address
     (_tma.layout), or FLASHSIM_TMA=0 in the environment (flash2_fwd_wg then runs).
-    ``var``: its instance, plain (False), softcap/ALiBi (True) or kernels.CAP_ONLY."""
+    ``var``: its instance, plain (False), softcap/ALiBi (True), kernels.CAP_ONLY or
+    kernels.LAZY_BF16."""
     d, dv = shape.d, shape.dv
     D = _instance(shape, "wg")
     tiles = _ws_tiles(shape, D, var=var)
