@@ -305,9 +305,11 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
     """fs.gpu.softmax_max: "lazy" (float16: a softcap, or ALiBi at d = 128) and "fixed"
     (bfloat16, a softcap with ALiBi or without) where the Hopper forward fed by the copy
     engine runs, and where the cp.async one does (FLASHSIM_TMA=0, d = 256; in bfloat16
-    not at d = 64) and the mma.sync one (float16 without ALiBi), "online" elsewhere: no
-    variant, ALiBi in float16 at d = 64 or 256 and on the mma.sync rung, bfloat16 past
-    softcap 54.4 or without one."""
+    not at d = 64) and the mma.sync one (float16 without ALiBi); "lazy" in bfloat16 where
+    the copy-engine forward runs its lazy instance (kernels.ws_lazy: ALiBi alone, or past
+    softcap 54.4, at d = 128); "online" elsewhere: no variant, ALiBi at d = 64 or 256 and
+    on the mma.sync rung, bfloat16 past softcap 54.4 or without one off the copy-engine
+    forward's d = 96, 128."""
     from flashsim.gpu import flash2
     rung = ["wg"]
     monkeypatch.setattr(flash2, "_choose", lambda *a, **kw: rung[0])
@@ -344,21 +346,25 @@ def test_the_gpu_says_which_rule_its_forward_runs(monkeypatch):
             rule(q, q, kernel="fast")
         torch = pytest.importorskip("torch")
         b = torch.zeros((1, 2, 256, 128), dtype=torch.bfloat16)
-        assert rule(b, b, softcap=50.0) == "fixed" and rule(b, b, softcap=60.0) == "online"
+        assert rule(b, b, softcap=50.0) == "fixed" and rule(b, b, softcap=60.0) == "lazy"
         slopes = np.full(2, 0.1, np.float32)
         assert rule(b, b, softcap=50.0, alibi_slopes=slopes) == "fixed"
-        assert rule(b, b, softcap=60.0, alibi_slopes=slopes) == "online"
-        assert rule(b, b, alibi_slopes=slopes) == "online"
+        assert rule(b, b, softcap=60.0, alibi_slopes=slopes) == "lazy"   # (ws_lazy)
+        assert rule(b, b, alibi_slopes=slopes) == "lazy"
         # the cp.async forward's softcap instance (kernels.wg_cap): bfloat16 but at D = 64
         b256 = torch.zeros((1, 2, 256, 256), dtype=torch.bfloat16)
         assert rule(b256, b256, softcap=50.0, alibi_slopes=slopes) == "fixed"
         assert rule(b256, b256, softcap=60.0) == "online"
         monkeypatch.setenv("FLASHSIM_TMA", "0")
         assert rule(b, b, softcap=50.0) == "fixed"
+        assert rule(b, b, alibi_slopes=slopes) == "online"   # (no lazy bfloat16 instance
+        assert rule(b, b, softcap=60.0) == "online"          # on flash2_fwd_wg)
         b64 = torch.zeros((1, 2, 256, 64), dtype=torch.bfloat16)
         assert rule(b64, b64, softcap=50.0) == "online"
         monkeypatch.delenv("FLASHSIM_TMA")
         assert rule(b64, b64, softcap=50.0) == "fixed"       # the copy engine's instance
+        assert rule(b64, b64, alibi_slopes=slopes) == "online"   # (its 192 × 64 tiles: no
+        assert rule(b64, b64, softcap=60.0) == "online"          # lazy instance at 64)
         # tiles that send the launch to flash2_fwd_wg, without a bfloat16 instance at 64
         assert rule(b64, b64, softcap=50.0, block_sizes=fs.kernels.WG_BLOCKS[64]) == "online"
         assert rule(b64, b64, softcap=50.0, block_sizes=fs.kernels.ws_blocks(64, True)) == "fixed"
