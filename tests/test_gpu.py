@@ -465,6 +465,50 @@ def test_a_misaligned_view_is_copied_not_misread():
     assert bool((out == ref).all())
 
 
+@pytest.mark.skipif(not fs.gpu.available() or not hopper(), reason="needs compute capability 9.0")
+@pytest.mark.parametrize("dtype, softcap, alibi", [("bfloat16", None, True),
+                                                   ("bfloat16", 100.0, False),
+                                                   ("float16", 30.0, True),
+                                                   ("float16", None, True)])
+def test_a_layout_tma_cannot_address_keeps_the_reported_softmax_max(monkeypatch, dtype,
+                                                                      softcap, alibi):
+    """Heads 16 elements apart beyond their rows (whose 136-element strides the cp.async
+    kernel reads in place, but no tensor map addresses a problem starting past a row's
+    first 8 columns) with variants that flash2_fwd_ws runs under a lazy max where
+    flash2_fwd_wg, the cp.async kernel with the same tiles, would run the online one: the
+    inputs are copied dense and flash2_fwd_ws's instance runs, so that what
+    fs.gpu.softmax_max reports (and the simulator's softmax_max="auto") holds whatever
+    the layout: the dense call's instance, and its bits."""
+    from flashsim.gpu import flash2
+    seen = []
+    real = flash2.dev.kernel
+    monkeypatch.setattr(flash2.dev, "kernel", lambda name, dtype, count_io, D=None, variant=False,
+                        varlen=False: (seen.append((name, variant)),
+                                       real(name, dtype, count_io, D, variant, varlen))[1])
+    rng = np.random.default_rng(136)
+    B, H, N, d, ld = 2, 4, 300, 128, 136
+    hs = N * ld + 16                                    # a head's elements, and a gap
+    shape, strides = (B, H, N, d), (H * hs, hs, ld, 1)
+    bufs = [dev(rng.standard_normal(B * H * hs), dtype) for _ in range(3)]
+    if dtype == "bfloat16":
+        import torch
+        q, k, v = (torch.as_strided(x, shape, strides) for x in bufs)
+        dense = [x.contiguous() for x in (q, k, v)]
+    else:
+        import cupy as cp
+        q, k, v = (cp.lib.stride_tricks.as_strided(x, shape, tuple(2 * t for t in strides))
+                   for x in bufs)
+        dense = [cp.ascontiguousarray(x) for x in (q, k, v)]
+    kw = dict(softcap=softcap, alibi_slopes=rng.uniform(0.05, 0.5, H).astype(np.float32)
+              if alibi else None)
+    assert fs.gpu.softmax_max(q, v, **kw) == "lazy"
+    out, lse = (host(x) for x in fs.gpu.attention(q, k, v, **kw))
+    strided = seen[-1]
+    ref, lse_ref = (host(x) for x in fs.gpu.attention(*dense, **kw))
+    assert strided == seen[-1] and strided[0] == "flash2_fwd_ws"
+    assert np.array_equal(out, ref) and np.array_equal(lse, lse_ref)
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch with CUDA not installed")
 def test_torch_inputs_on_a_side_stream():
     """The kernels run on PyTorch's current stream: work queued before and after them on a

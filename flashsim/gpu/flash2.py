@@ -53,8 +53,8 @@ def _ws_tiles(shape: Shape, D: int | None, block_sizes=None,
     """The tiles of flash2_fwd_ws where the Hopper forward runs these inputs on it
     (kernels.ws_runs, ``var``: softcap or ALiBi; FLASHSIM_TMA not 0; ``block_sizes`` None
     or those tiles), else None.
-    Layouts a tensor map cannot address are copied first where its tiles are not
-    flash2_fwd_wg's (_attention), so that they hold whatever the strides."""
+    Layouts a tensor map cannot address are copied first where its tiles or its softmax's
+    max are not flash2_fwd_wg's (_attention), so that they hold whatever the strides."""
     if (K.ws_runs(shape.d, shape.dv, D, variant=var) and os.environ.get("FLASHSIM_TMA", "1") != "0"
             and (block_sizes is None or tuple(block_sizes) == K.ws_blocks(D, var))):
         return K.ws_blocks(D, var)
@@ -241,7 +241,9 @@ def softmax_max(q, v, *, kernel: str = "auto", window=None, softcap=None,
     own (kernels.wg_cap: in bfloat16 not at head dims 33–64; in float16 without ALiBi)
     and the mma.sync one its own (kernels.tc_cap: in float16 without ALiBi), else
     "online". ``block_sizes``: the tiles `attention` is given (they pick the rung, and on
-    Hopper whether the copy engine's forward runs)."""
+    Hopper whether the copy engine's forward runs). It holds for any layout of the
+    inputs: where the copy engine cannot address them and its instance's max is not the
+    cp.async forward's, `attention` copies them dense first."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     qi, vi = arrays.In(q, "q"), arrays.In(v, "v")
@@ -353,9 +355,11 @@ def _attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, block_s
     i32 = np.int32
     ws_tiles = _ws_tiles(shape, D, block_sizes, var) if which == "wg" else None
     ws = _ws_forward(cp, shape, dtype, count_io, ws_var, cols, ld) if ws_tiles else None
-    if ws is None and ws_tiles and ws_tiles != K.WG_BLOCKS[D]:
+    if ws is None and ws_tiles and (ws_tiles != K.WG_BLOCKS[D]
+                                    or _ws_max_apart(dtype, D, softcap, alibi_slopes, ws_var)):
         # a layout no tensor map addresses, where the cp.async kernel's tiles differ from
-        # the ones block_sizes reports: copied into a dense one, which TMA reads
+        # the ones block_sizes reports, or its softmax's max from the one softmax_max
+        # reports: copied into a dense one, which TMA reads
         dense = [cp.ascontiguousarray(cols[t][0]) for t in (arrays.AT_Q, arrays.AT_K, arrays.AT_V)]
         cols.update({t: (x, cols[t][1]) for t, x in zip((arrays.AT_Q, arrays.AT_K, arrays.AT_V), dense)})
         at, ld = arrays.rows(cp, shape, cols)
@@ -792,6 +796,17 @@ def _ws_backward(cp, shape: Shape, dtype: str, count_io: bool, var: bool, det: b
                       K.threads(name, D, dev.cc(cp.cuda.Device().id)),
                       K.smem_bytes(name, Br, Bc, D, D, dtype), geoms, box, D,
                       "QQQQQQQiiiiiiiifffQQQi", crd)
+
+
+def _ws_max_apart(dtype: str, D: int, softcap, alibi_slopes, ws_var: bool | int) -> bool:
+    """flash2_fwd_ws's instance ``ws_var`` takes another softmax max (kernels.ws_max) than
+    flash2_fwd_wg runs these variants under (its softcap instance where kernels.wg_cap
+    and cap_only hold, else the online max), so that the cp.async kernel may not stand in
+    for it where TMA cannot address a layout: softmax_max and the simulator's
+    hierarchy.softmax_rule, which see no layouts, report flash2_fwd_ws's."""
+    wg_var = (K.CAP_ONLY if K.wg_cap(dtype, D, alibi_slopes)
+              and K.cap_only(dtype, softcap, alibi_slopes, D) else True)
+    return K.ws_max(dtype, ws_var) != K.ws_max(dtype, wg_var)
 
 
 def _ws_forward(cp, shape: Shape, dtype: str, count_io: bool, var: bool | int, cols: dict,
