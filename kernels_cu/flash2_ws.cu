@@ -56,7 +56,10 @@
 //                        online step only where some P may pass 2^12 (tensor_core.cuh's
 //                        softmax_lazy; v57, v59); with ALiBi (a softcap or none, at D = 96 and 128,
 //                        whose tiles are square) each Q tile visits its diagonal key
-//                        tile first, where its rows' biases are largest (v69).
+//                        tile first, where its rows' biases are largest (v69); in
+//                        bfloat16 ALiBi alone on a key tile on one side of the warp's
+//                        diagonal keys is a term per key and an offset of the max per
+//                        row (wgmma.cuh's wg_side: one FFMA a score, v91).
 //                        The tensor maps (flashsim/gpu/_tma.py) describe each of Q, K, V as
 //                        (columns ld, rows N, problems): rows past N of a problem are
 //                        outside the tensor, so a ragged last tile arrives zero-filled. A
@@ -500,18 +503,35 @@ flash2_fwd_ws(const __grid_constant__ wg::TensorMap tmQ, const __grid_constant__
         // (its mask test over the warpgroup's 64 rows, or the tile's Br: the same scores)
         constexpr int BrM = FLASHSIM_WS_WG_MASK ? 64 : Br, W0 = FLASHSIM_WS_WG_MASK ? 64 : 0;
         auto kt = [&](int j) { return key_tile(tl, j - jlo); };   // step j's key tile
+        // SIDE: ALiBi alone on a key tile on one side of the diagonal key of each row of the
+        // warp, as a term per key and a frame offset per row (wgmma.cuh's wg_side,
+        // wg_scores_side; NOTES v91), in bfloat16's lazy instance: float16's lazy instance
+        // also runs the softcap alone, which measured up to 3% slower with the pass beside it
+        constexpr bool SIDE = LAZY && IsBf16<T>::value;
         auto softmax = [&](int j, float& a0, float& a1) {
             wg_softmax<Bc, BrM, VAR, FIXED>(s, m0, m1, l0, l1, a0, a1, kt(j) * Bc, i0 + cw * W0, r0 - cw * W0, tig,
                                      nq, nk, band, sl2, k_in, k_out,
                                      VAR && slopes != nullptr ? slopes[p] : 0.f);
         };
         auto pack_p = [&]() { wg_pack_p<T, Bc>(s, pf); };
+        float lf0 = 0.f, lf1 = 0.f;                  // the lazy step's frame offsets (SIDE)
         auto lazy_step = [&](int j, float& a0, float& a1) {
-            softmax_lazy<T, Bc>(s, pf, m0, m1, l0, l1, a0, a1, sl2);
+            softmax_lazy<T, Bc, SIDE>(s, pf, m0, m1, l0, l1, a0, a1, sl2, lf0, lf1);
         };
         // the lazy step's scores (the softcap's tanh, the mask), finished in s alone, which
         // P_{j−1} V_{j−1} does not touch: they run beside that product (NOTES v62)
         auto scores = [&](int j) {
+            if constexpr (SIDE) {
+                float kbs;
+                if (k_out == 0.f && slopes != nullptr
+                    && wg_side<Bc>(kt(j) * Bc, i0 + cw * W0, r0 - cw * W0, g, tig, band, slopes[p], sl2,
+                                   &kbs, &lf0, &lf1)) {
+                    wg_scores_side<Bc, BrM>(s, kt(j) * Bc, i0 + cw * W0, r0 - cw * W0, tig, nk, band,
+                                            k_in, kbs);
+                    return;
+                }
+                lf0 = lf1 = 0.f;
+            }
             wg_scores<Bc, BrM, VAR>(s, kt(j) * Bc, i0 + cw * W0, r0 - cw * W0, tig, nq, nk, band, k_in,
                                     k_out, VAR && slopes != nullptr ? slopes[p] : 0.f);
         };

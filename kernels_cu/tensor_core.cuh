@@ -249,12 +249,16 @@ __device__ __forceinline__ void quad_sum(float& r0, float& r1) {
 // has seen no key yet (m = −∞: its P were taken against 0), the warp reduces its rows' max
 // from their scores, still in s, and each row whose max passed m takes the online step:
 // m moves to the row max, α = 2^(m_old − m), P and ℓ = ℓ_old·α + Σ P again. m only moves
-// up, to a row max, and L = m + log2 ℓ holds for any m.
-template <typename T, int Bc>
+// up, to a row max, and L = m + log2 ℓ holds for any m. FRAME (flash2_fwd_ws's ALiBi
+// alone on one side of the diagonal: wgmma.cuh's wg_side): s holds each logit less this
+// thread's frame offset for its row, f0 (row r0), f1 (r0 + 8) in log2 units, and m the
+// logits' own max; the other instances' code is as before.
+template <typename T, int Bc, bool FRAME = false>
 __device__ __forceinline__ void softmax_lazy(const float* s, unsigned (*pf)[4], float& m0, float& m1,
-                                             float& l0, float& l1, float& a0, float& a1, float sl2) {
-    const float ms0 = m0 == neg_inf<float>() ? 0.f : m0;
-    const float ms1 = m1 == neg_inf<float>() ? 0.f : m1;
+                                             float& l0, float& l1, float& a0, float& a1, float sl2,
+                                             float f0 = 0.f, float f1 = 0.f) {
+    const float ms0 = FRAME ? (m0 == neg_inf<float>() ? 0.f : m0) - f0 : m0 == neg_inf<float>() ? 0.f : m0;
+    const float ms1 = FRAME ? (m1 == neg_inf<float>() ? 0.f : m1) - f1 : m1 == neg_inf<float>() ? 0.f : m1;
     float st0 = 0.f, st1 = 0.f;                            // this thread's shares of Σ P
 #pragma unroll
     for (int t = 0; t < Bc / 8; ++t) {
@@ -276,28 +280,35 @@ __device__ __forceinline__ void softmax_lazy(const float* s, unsigned (*pf)[4], 
             mx0 = fmaxf(mx0, fmaxf(s[4 * t], s[4 * t + 1]));
             mx1 = fmaxf(mx1, fmaxf(s[4 * t + 2], s[4 * t + 3]));
         }
+        if (FRAME) {                     // (each thread's own frame, before the quad's max)
+            mx0 = fmaf(mx0, sl2, f0);
+            mx1 = fmaf(mx1, sl2, f1);
+        }
         quad_max(mx0, mx1);              // the 4 threads of a quad share a row
-        mx0 *= sl2;
-        mx1 *= sl2;
+        if (!FRAME) {
+            mx0 *= sl2;
+            mx1 *= sl2;
+        }
         // row r0 + 8h: the online step where its max passed m (−∞ > −∞ is false: a row
         // that still sees no key keeps m = −∞, and its P are 0)
-        auto again = [&](int h, float mx, float& m, float& l, float& st, float& a) {
+        auto again = [&](int h, float mx, float f, float& m, float& l, float& st, float& a) {
             if (mx > m) {
                 a = ex2(m - mx);
                 m = mx;
                 l = __fmul_rn(l, a);
                 st = 0.f;
+                const float mf = FRAME ? mx - f : mx;
 #pragma unroll
                 for (int t = 0; t < Bc / 8; ++t) {
-                    const float p0 = ex2(fmaf(s[4 * t + 2 * h], sl2, -mx)),
-                                p1 = ex2(fmaf(s[4 * t + 2 * h + 1], sl2, -mx));
+                    const float p0 = ex2(fmaf(s[4 * t + 2 * h], sl2, -mf)),
+                                p1 = ex2(fmaf(s[4 * t + 2 * h + 1], sl2, -mf));
                     st += p0 + p1;
                     pf[t >> 1][(t & 1) * 2 + h] = pack<T>(p0, p1);
                 }
             }
         };
-        again(0, mx0, m0, l0, st0, a0);
-        again(1, mx1, m1, l1, st1, a1);
+        again(0, mx0, f0, m0, l0, st0, a0);
+        again(1, mx1, f1, m1, l1, st1, a1);
     }
     l0 += st0;
     l1 += st1;

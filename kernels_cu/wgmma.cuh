@@ -238,6 +238,62 @@ template <int W, bool MAX = true> __device__ __forceinline__ void fold_max(float
         fold_max<W / 2, MAX>(h0, h1);
     }
 }
+// The ragged keys and the band's edge masked to −∞ where the tile needs it (the scores of
+// wg_scores, wg_scores_side)
+template <int Bc, int Br>
+__device__ __forceinline__ void wg_mask(float* s, int j0, int i0, int r0, int tig, int nk,
+                                        const Band& band) {
+    const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
+                         || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
+    if (partial) {
+#pragma unroll
+        for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = j0 + t * 8 + tig * 2 + (e & 1);
+                const int r = i0 + r0 + (e < 2 ? 0 : 8);
+                if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
+            }
+    }
+}
+// ALiBi alone (flash2_fwd_ws's lazy instance in bfloat16) on a key tile that lies on one side of the
+// diagonal key of every row of the warp (wg_side says which): there −b·|dist| = −b·σ·dist,
+// σ = ±1 for the whole tile, and with dist = dist0 + 8·(e ≥ 2) − 8t − (e & 1) (wg_scores'
+// terms) it splits into a term per key, b·σ·(8t + (e & 1)), an FFMA with an immediate,
+// and a term per row, −b·σ·(dist0 + 8·(e ≥ 2)), which the softmax takes into its max (the
+// frame offsets f0, f1 of wg_side; softmax_lazy): two operations a score where |dist|'s
+// FADD and FFMA and the scale's FMUL were three (NOTES v91; with a softcap the pass measured
+// slower, and the softcap keeps wg_scores). ``kbs``: b·σ.
+template <int Bc, int Br>
+__device__ __forceinline__ void wg_scores_side(float* s, int j0, int i0, int r0, int tig, int nk,
+                                               const Band& band, float k_in, float kbs) {
+#pragma unroll
+    for (int t = 0; t < Bc / 8; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[4 * t + e] = fmaf(kbs, (float)(8 * t + (e & 1)), s[4 * t + e] * k_in);
+    wg_mask<Bc, Br>(s, j0, i0, r0, tig, nk, band);
+}
+// Whether the key tile from j0 lies on one side of the diagonal key of each row of the
+// warp whose thread holds rows i0 + r0, + 8 (r0 − g its first; g the thread's row in
+// its quad): then b·σ in *kbs and the thread's frame offsets, −b·σ·dist0·sl2 and
+// −b·σ·(dist0 + 8)·sl2 (log2 units), in *f0, *f1, where dist0 = r0's distance to the
+// thread's first key of the tile (its own: f differs along a quad). ``kb``: b, ALiBi's
+// slope in the scores' units (VarScores' k_bias)
+template <int Bc>
+__device__ __forceinline__ bool wg_side(int j0, int i0, int r0, int g, int tig, const Band& band,
+                                        float kb, float sl2, float* kbs, float* f0, float* f1) {
+    const int rw = i0 + r0 - g + band.off;           // the warp's first row's diagonal key
+    // (σ through a shuffle, which ptxas knows gives every lane the same value: a branch
+    // on it is uniform, and the warpgroup's MMAs around it are not serialized)
+    const float sg = __shfl_sync(0xffffffffu, rw - (j0 + Bc - 1) >= 0 ? 1.f : (rw + 15 - j0 <= 0 ? -1.f : 0.f), 0);
+    if (sg == 0.f) return false;
+    *kbs = kb * sg;
+    const float dist0 = (float)(i0 + r0 + band.off - j0 - tig * 2);
+    *f0 = -*kbs * dist0 * sl2;
+    *f1 = -*kbs * (dist0 + 8.f) * sl2;
+    return true;
+}
 // The scores of wg_softmax: VAR's (softcap, ALiBi) finished in log2 units over sl2, and the
 // ragged keys and the band's edge masked to −∞ where the tile needs it. SPLIT (the online
 // softmax's callers): ALiBi alone in a pass of its own, below
@@ -270,18 +326,7 @@ __device__ __forceinline__ void wg_scores(float* s, int j0, int i0, int r0, int 
                                         s[4 * t + e] * k_in);
         }
     }
-    const bool partial = j0 + Bc > nk || (band.left >= 0 && j0 - (i0 + Br - 1) - band.off < -band.left)
-                         || (band.right >= 0 && j0 + Bc - 1 - i0 - band.off > band.right);
-    if (partial) {
-#pragma unroll
-        for (int t = 0; t < Bc / 8; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = j0 + t * 8 + tig * 2 + (e & 1);
-                const int r = i0 + r0 + (e < 2 ? 0 : 8);
-                if (c >= nk || !band.sees(r, c)) s[4 * t + e] = neg_inf<float>();
-            }
-    }
+    wg_mask<Bc, Br>(s, j0, i0, r0, tig, nk, band);
 }
 // S_j is this warpgroup's 64 × Bc tile in the m64nNk16 accumulator layout: register 4t + e
 // holds row r (= r0 + 8·(e ≥ 2) of the Q tile starting at query i0) and key 8t + 2·tig +
